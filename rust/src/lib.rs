@@ -1,4 +1,12 @@
 //! phalanx's Rust core: the quorum engine, the lighthouse, the per-group manager
 //! server, and (with the `python` feature) their Python bindings, `phalanx._core`.
 
+pub mod auth;
+mod error;
+pub mod lighthouse;
+pub mod proto;
 pub mod quorum;
+pub mod server;
+pub mod validate;
+
+pub use error::{Error, ErrorKind};

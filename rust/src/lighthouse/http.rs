@@ -1,0 +1,64 @@
+//! The lighthouse's HTTP routes, served on the gRPC port: `/` a self-contained status
+//! page, `/status` as JSON, `/metrics` for Prometheus. All read-only.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+
+use super::service::Shared;
+use crate::auth::{JobToken, AUTHORIZATION};
+
+const STATUS_PAGE: &str = include_str!("status.html");
+
+pub(crate) fn router(shared: Arc<Shared>, token: JobToken) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(STATUS_PAGE) }))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .with_state(shared)
+        .layer(middleware::from_fn_with_state(token, require_token))
+}
+
+/// The page's script passes `?token=` on to `/status`, so a browser needs no header.
+async fn require_token(State(token): State<JobToken>, request: Request, next: Next) -> Response {
+    let from_header = request
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let from_query = request.uri().query().and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("token="))
+    });
+    if token.admits(from_header) || (from_query.is_some() && token.admits(from_query)) {
+        next.run(request).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong job token: send 'Authorization: Bearer <token>' or add ?token=<token>\n",
+        )
+            .into_response()
+    }
+}
+
+async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    let snap = shared.lock().snapshot(Instant::now());
+    let mut value = serde_json::to_value(snap).unwrap_or_default();
+    value["uptime_ms"] = (shared.started.elapsed().as_millis() as u64).into();
+    Json(value)
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        shared.metrics.render(),
+    )
+}

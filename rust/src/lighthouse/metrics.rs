@@ -1,0 +1,87 @@
+//! Prometheus metrics of the lighthouse, served at `/metrics`.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub quorum_id: Gauge,
+    pub live_replicas: Gauge,
+    pub quorums_issued: Counter,
+    pub quorum_changes: Counter,
+    pub quorum_wait_seconds: Histogram,
+    pub heartbeats: Counter,
+    pub evictions: Family<Labels, Counter>,
+    pub refused: Family<Labels, Counter>,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("phalanx_lighthouse");
+        let m = Metrics {
+            quorum_id: Gauge::default(),
+            live_replicas: Gauge::default(),
+            quorums_issued: Counter::default(),
+            quorum_changes: Counter::default(),
+            // 100 µs to ~105 s.
+            quorum_wait_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 21)),
+            heartbeats: Counter::default(),
+            evictions: Family::default(),
+            refused: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
+        registry.register(
+            "live_replicas",
+            "Replica groups with a fresh heartbeat",
+            m.live_replicas.clone(),
+        );
+        registry.register(
+            "quorums_issued",
+            "Quorum rounds answered",
+            m.quorums_issued.clone(),
+        );
+        registry.register(
+            "quorum_changes",
+            "Quorums issued with a new id (membership changed or a commit failed)",
+            m.quorum_changes.clone(),
+        );
+        registry.register(
+            "quorum_wait_seconds",
+            "From the first request of a round to the quorum being issued",
+            m.quorum_wait_seconds.clone(),
+        );
+        registry.register("heartbeats", "Heartbeats received", m.heartbeats.clone());
+        registry.register(
+            "evictions",
+            "Replica groups declared dead, by cause",
+            m.evictions.clone(),
+        );
+        registry.register(
+            "refused_requests",
+            "Requests refused, by reason",
+            m.refused.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    pub fn evicted(&self, cause: &'static str) {
+        self.evictions.get_or_create(&vec![("cause", cause)]).inc();
+    }
+
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&vec![("reason", reason)]).inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}

@@ -1,0 +1,102 @@
+//! The lighthouse: one per job. It decides quorums, watches the liveness of every
+//! replica group through its heartbeat stream, and serves a status page and metrics.
+
+mod http;
+mod metrics;
+mod service;
+pub mod state;
+
+use std::time::Duration;
+
+use tonic::service::Routes;
+
+use crate::auth::JobToken;
+use crate::proto::lighthouse_server::LighthouseServer;
+use crate::quorum::QuorumConfig;
+use crate::server::{self, ServerHandle};
+use crate::Error;
+use service::{LighthouseService, Shared};
+use state::LighthouseState;
+
+/// Requests to the lighthouse are small; anything bigger is refused unread.
+const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+#[derive(Clone, Debug)]
+pub struct LighthouseOptions {
+    /// "host:port" for gRPC and HTTP; port 0 picks a free one.
+    pub bind: String,
+    pub min_replicas: usize,
+    pub join_timeout: Duration,
+    pub heartbeat_timeout: Duration,
+    pub token: JobToken,
+}
+
+impl Default for LighthouseOptions {
+    fn default() -> Self {
+        LighthouseOptions {
+            bind: "0.0.0.0:29510".into(),
+            min_replicas: 1,
+            join_timeout: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(2),
+            token: JobToken::default(),
+        }
+    }
+}
+
+impl LighthouseOptions {
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.min_replicas == 0 {
+            return Err(Error::InvalidConfig(
+                "--min-replicas must be at least 1".into(),
+            ));
+        }
+        if self.join_timeout.is_zero() {
+            return Err(Error::InvalidConfig(
+                "--join-timeout must be positive, e.g. 1s".into(),
+            ));
+        }
+        if self.heartbeat_timeout < Duration::from_millis(10) {
+            return Err(Error::InvalidConfig(
+                "--heartbeat-timeout must be at least 10ms; groups beat every 100ms by default"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Starts a lighthouse on the current tokio runtime.
+pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
+    options.validate()?;
+    let shared = Shared::new(LighthouseState::new(
+        QuorumConfig {
+            min_replicas: options.min_replicas,
+            join_timeout: options.join_timeout,
+        },
+        options.heartbeat_timeout,
+    ));
+    let token = options.token.clone();
+    let routes_shared = shared.clone();
+    let mut handle = server::spawn(&options.bind, move |shutdown| {
+        let grpc = LighthouseServer::new(LighthouseService {
+            shared: routes_shared.clone(),
+            shutdown,
+        })
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+        let grpc = tonic::service::interceptor::InterceptedService::new(grpc, token.clone());
+        Routes::new(grpc)
+            .into_axum_router()
+            .merge(http::router(routes_shared, token))
+            .into()
+    })
+    .await?;
+    let deadlines = tokio::spawn(shared.run_deadlines(handle.subscribe()));
+    handle.add_task(deadlines);
+    tracing::info!(
+        address = %handle.local_addr(),
+        min_replicas = options.min_replicas,
+        "lighthouse listening (status page at http://{}/)",
+        handle.local_addr()
+    );
+    Ok(handle)
+}

@@ -1,0 +1,301 @@
+//! The lighthouse's gRPC service and its background deadline task.
+//!
+//! Event-driven: the engine runs inline on every join, leave and stream break; a
+//! background task sleeps until the next deadline (a join timeout or a heartbeat
+//! expiry) and is woken only when an earlier one appears. There is no polling tick.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::metrics::Metrics;
+use super::state::{Eviction, LighthouseState};
+use crate::proto::{self, lighthouse_server::Lighthouse};
+use crate::validate;
+
+pub(crate) struct Shared {
+    state: Mutex<LighthouseState>,
+    pub(crate) metrics: Metrics,
+    wake: Notify,
+    pub(crate) started: Instant,
+}
+
+fn unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+impl Shared {
+    pub(crate) fn new(state: LighthouseState) -> Arc<Self> {
+        Arc::new(Shared {
+            state: Mutex::new(state),
+            metrics: Metrics::new(),
+            wake: Notify::new(),
+            started: Instant::now(),
+        })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, LighthouseState> {
+        // A panic while holding the lock leaves soft state only; carry on with it.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs the engine after a change and makes sure the background task wakes in time.
+    fn evaluate(&self, st: &mut LighthouseState, now: Instant) {
+        if let Some(issued) = st.evaluate(now, unix_ms()) {
+            self.metrics.quorums_issued.inc();
+            self.metrics
+                .quorum_wait_seconds
+                .observe(issued.waited.as_secs_f64());
+            if issued.changed {
+                self.metrics.quorum_changes.inc();
+            }
+            self.metrics.quorum_id.set(issued.quorum_id as i64);
+        }
+        self.metrics.live_replicas.set(st.live_replicas() as i64);
+        self.schedule(st, st.waiting_until());
+        self.schedule(st, Some(now + st.heartbeat_timeout()));
+    }
+
+    fn schedule(&self, st: &mut LighthouseState, at: Option<Instant>) {
+        if let Some(at) = at {
+            if st.ticker_deadline.is_none_or(|d| at < d) {
+                st.ticker_deadline = Some(at);
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    fn evicted(&self, cause: Eviction) {
+        self.metrics.evicted(cause.as_str());
+    }
+
+    /// Expires silent groups and acts on due deadlines until `shutdown` flips.
+    pub(crate) async fn run_deadlines(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        loop {
+            let next = {
+                let mut st = self.lock();
+                let now = Instant::now();
+                for (_, cause) in st.expire(now) {
+                    self.evicted(cause);
+                }
+                self.evaluate(&mut st, now);
+                let next = st.next_wakeup();
+                st.ticker_deadline = next;
+                next
+            };
+            let sleep = async {
+                match next {
+                    Some(t) => tokio::time::sleep_until(t.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = sleep => {}
+                _ = self.wake.notified() => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+pub(crate) struct LighthouseService {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) shutdown: watch::Receiver<bool>,
+}
+
+/// Withdraws a quorum request whose caller timed out or went away.
+struct LeaveOnDrop {
+    shared: Arc<Shared>,
+    replica_id: String,
+    ticket: Option<u64>,
+}
+
+impl Drop for LeaveOnDrop {
+    fn drop(&mut self) {
+        if let Some(ticket) = self.ticket {
+            let mut st = self.shared.lock();
+            st.leave(&self.replica_id, ticket);
+            self.shared.evaluate(&mut st, Instant::now());
+        }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<proto::LighthouseEvent, Status>> + Send>>;
+
+fn refuse<T>(shared: &Shared, reason: &'static str, r: Result<T, Status>) -> Result<T, Status> {
+    if r.is_err() {
+        shared.metrics.refused(reason);
+    }
+    r
+}
+
+#[tonic::async_trait]
+impl Lighthouse for LighthouseService {
+    async fn quorum(
+        &self,
+        request: Request<proto::LighthouseQuorumRequest>,
+    ) -> Result<Response<proto::LighthouseQuorumResponse>, Status> {
+        let req = request.into_inner();
+        let checked = validate::protocol_version(req.protocol_version).and_then(|_| {
+            let member = req
+                .requester
+                .ok_or_else(|| Status::invalid_argument("quorum request without a requester"))?;
+            validate::member(&member)?;
+            Ok((member, validate::timeout_ms(req.timeout_ms)?))
+        });
+        let (member, timeout) = refuse(&self.shared, "invalid", checked)?;
+        let replica_id = member.replica_id.clone();
+
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let ticket = {
+            let mut st = self.shared.lock();
+            let now = Instant::now();
+            let ticket = refuse(
+                &self.shared,
+                "duplicate_replica",
+                st.join(member.into(), req.last_quorum_id, now, reply_tx),
+            )?;
+            self.shared.evaluate(&mut st, now);
+            ticket
+        };
+        let mut guard = LeaveOnDrop {
+            shared: self.shared.clone(),
+            replica_id,
+            ticket: Some(ticket),
+        };
+        match tokio::time::timeout(timeout, reply_rx).await {
+            Ok(Ok(reply)) => {
+                guard.ticket = None;
+                let quorum = reply?;
+                Ok(Response::new(proto::LighthouseQuorumResponse {
+                    quorum: Some((*quorum).clone()),
+                }))
+            }
+            Ok(Err(_)) => {
+                guard.ticket = None;
+                Err(Status::unavailable("the lighthouse is shutting down"))
+            }
+            Err(_) => {
+                let reason = self.shared.lock().waiting_reason().to_string();
+                Err(Status::deadline_exceeded(format!(
+                    "no quorum within {:.3} s: {reason}",
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+    }
+
+    type HeartbeatStream = EventStream;
+
+    async fn heartbeat(
+        &self,
+        request: Request<Streaming<proto::Beat>>,
+    ) -> Result<Response<Self::HeartbeatStream>, Status> {
+        let peer = request
+            .remote_addr()
+            .map_or_else(|| "unknown".to_string(), |a| a.to_string());
+        let mut inbound = request.into_inner();
+        let heartbeat_timeout = self.shared.lock().heartbeat_timeout();
+        let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
+            Ok(Ok(Some(beat))) => beat,
+            Ok(Ok(None)) => return Err(Status::invalid_argument("heartbeat stream without a beat")),
+            Ok(Err(status)) => return Err(status),
+            Err(_) => {
+                return Err(Status::deadline_exceeded(
+                    "no first heartbeat within the heartbeat timeout",
+                ))
+            }
+        };
+        let checked =
+            validate::protocol_version(first.protocol_version).and_then(|_| {
+                validate::replica_id(&first.replica_id)?;
+                validate::step(first.step)
+            });
+        refuse(&self.shared, "invalid", checked)?;
+
+        let (events_tx, events_rx) = mpsc::channel(16);
+        let stream_id = {
+            let mut st = self.shared.lock();
+            let now = Instant::now();
+            let id = refuse(
+                &self.shared,
+                "duplicate_replica",
+                st.open_stream(&first, peer, events_tx, now),
+            )?;
+            self.shared.evaluate(&mut st, now);
+            id
+        };
+        self.shared.metrics.heartbeats.inc();
+
+        let shared = self.shared.clone();
+        let mut shutdown = self.shutdown.clone();
+        let replica_id = first.replica_id;
+        tokio::spawn(async move {
+            loop {
+                let beat = tokio::select! {
+                    beat = inbound.message() => beat,
+                    _ = shutdown.changed() => return,
+                };
+                match beat {
+                    Ok(Some(beat)) => {
+                        shared.metrics.heartbeats.inc();
+                        let ok = validate::step(beat.step).is_ok()
+                            && shared
+                                .lock()
+                                .stream_beat(&replica_id, &beat, stream_id, Instant::now());
+                        if !ok {
+                            return;
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        let mut st = shared.lock();
+                        if let Some(cause) = st.close_stream(&replica_id, stream_id) {
+                            shared.evicted(cause);
+                            tracing::info!(replica_id, "heartbeat stream closed: replica group is dead");
+                        }
+                        shared.evaluate(&mut st, Instant::now());
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(events_rx))))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<proto::StatusRequest>,
+    ) -> Result<Response<proto::StatusResponse>, Status> {
+        let snap = self.shared.lock().snapshot(Instant::now());
+        Ok(Response::new(proto::StatusResponse {
+            quorum_id: snap.quorum_id,
+            quorum_members: snap.quorum_members,
+            replicas: snap
+                .replicas
+                .into_iter()
+                .map(|r| proto::ReplicaStatus {
+                    replica_id: r.replica_id,
+                    connected: r.connected,
+                    joined: r.joined,
+                    in_quorum: r.in_quorum,
+                    step: r.step,
+                    heartbeat_age_ms: r.heartbeat_age_ms,
+                    peer: r.peer,
+                })
+                .collect(),
+            waiting_for: snap.waiting_for,
+            quorums_issued: snap.quorums_issued,
+            uptime_ms: self.shared.started.elapsed().as_millis() as u64,
+            min_replicas: snap.min_replicas,
+            join_timeout_ms: snap.join_timeout_ms,
+            heartbeat_timeout_ms: snap.heartbeat_timeout_ms,
+        }))
+    }
+}

@@ -1,0 +1,593 @@
+//! What the lighthouse knows: which replica groups are alive, who waits for the next
+//! quorum, and the last quorum issued. Soft state only — a restarted lighthouse
+//! rebuilds all of it from the groups that reconnect.
+//!
+//! Every method takes `now`, so the transitions are tested without sockets or sleeps.
+//! The server (`service.rs`) holds this behind one mutex and never awaits inside it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+
+use crate::proto;
+use crate::quorum::{
+    self, Decision, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId, WaitReason,
+};
+
+/// Why a replica group was declared dead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Eviction {
+    /// Its heartbeat stream dropped: the process died or its connection was reset.
+    StreamBroken,
+    /// Connected but silent for longer than the heartbeat timeout: hung.
+    HeartbeatTimeout,
+}
+
+impl Eviction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Eviction::StreamBroken => "stream_broken",
+            Eviction::HeartbeatTimeout => "heartbeat_timeout",
+        }
+    }
+}
+
+/// The answer a waiting quorum request gets.
+pub type QuorumReply = Result<Arc<proto::Quorum>, Status>;
+
+/// The lighthouse end of a group's heartbeat stream.
+struct HeartbeatStream {
+    id: u64,
+    events: mpsc::Sender<Result<proto::LighthouseEvent, Status>>,
+    peer: String,
+}
+
+struct Replica {
+    last_beat: Instant,
+    step: i64,
+    stream: Option<HeartbeatStream>,
+}
+
+struct PendingJoin {
+    ticket: u64,
+    reply: oneshot::Sender<QuorumReply>,
+}
+
+/// A quorum just issued, for the server to record in its metrics.
+pub struct Issued {
+    pub quorum_id: QuorumId,
+    pub changed: bool,
+    pub waited: Duration,
+}
+
+pub struct LighthouseState {
+    config: QuorumConfig,
+    heartbeat_timeout: Duration,
+    replicas: HashMap<ReplicaId, Replica>,
+    joiners: BTreeMap<ReplicaId, Joiner>,
+    pending: HashMap<ReplicaId, PendingJoin>,
+    previous: Option<Quorum>,
+    highest_seen_id: QuorumId,
+    quorums_issued: u64,
+    next_ticket: u64,
+    waiting: (WaitReason, Option<Instant>),
+    /// When the background task is set to wake; lets handlers wake it only when an
+    /// earlier deadline appears.
+    pub(crate) ticker_deadline: Option<Instant>,
+}
+
+/// Liveness as the engine sees it: a fresh heartbeat (a quorum request counts as one).
+struct Fresh<'a> {
+    replicas: &'a HashMap<ReplicaId, Replica>,
+    horizon: Option<Instant>,
+}
+
+impl LiveSet for Fresh<'_> {
+    fn is_live(&self, replica_id: &str) -> bool {
+        self.replicas
+            .get(replica_id)
+            .is_some_and(|r| self.horizon.is_none_or(|h| r.last_beat > h))
+    }
+    fn live_ids(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        Box::new(
+            self.replicas
+                .iter()
+                .filter(|(_, r)| self.horizon.is_none_or(|h| r.last_beat > h))
+                .map(|(id, _)| id.as_str()),
+        )
+    }
+}
+
+impl LighthouseState {
+    pub fn new(config: QuorumConfig, heartbeat_timeout: Duration) -> Self {
+        LighthouseState {
+            config,
+            heartbeat_timeout,
+            replicas: HashMap::new(),
+            joiners: BTreeMap::new(),
+            pending: HashMap::new(),
+            previous: None,
+            highest_seen_id: 0,
+            quorums_issued: 0,
+            next_ticket: 0,
+            waiting: (WaitReason::NoJoiners, None),
+            ticker_deadline: None,
+        }
+    }
+
+    /// Records a request to join the next quorum; the answer arrives on `reply`.
+    /// Returns a ticket that identifies this request when it leaves.
+    pub fn join(
+        &mut self,
+        member: quorum::Member,
+        last_quorum_id: QuorumId,
+        now: Instant,
+        reply: oneshot::Sender<QuorumReply>,
+    ) -> Result<u64, Status> {
+        let id = member.replica_id.clone();
+        if let Some(other) = self.joiners.get(&id) {
+            if other.member.manager_address != member.manager_address {
+                return Err(Status::already_exists(format!(
+                    "replica id {id:?} is already asking for a quorum from manager {}; \
+                     give this group another --replica-id, or stop the other process",
+                    other.member.manager_address
+                )));
+            }
+        }
+        self.highest_seen_id = self.highest_seen_id.max(last_quorum_id);
+        self.beat(&id, member.step, now);
+        if let Some(old) = self.pending.remove(&id) {
+            let _ = old.reply.send(Err(Status::aborted(
+                "superseded by a newer quorum request from the same replica group",
+            )));
+        }
+        self.next_ticket += 1;
+        let ticket = self.next_ticket;
+        self.pending.insert(id.clone(), PendingJoin { ticket, reply });
+        self.joiners.insert(
+            id,
+            Joiner {
+                member,
+                last_quorum_id,
+                joined_at: now,
+            },
+        );
+        Ok(ticket)
+    }
+
+    /// Withdraws a request that timed out or whose caller went away.
+    pub fn leave(&mut self, replica_id: &str, ticket: u64) {
+        if self.pending.get(replica_id).is_some_and(|p| p.ticket == ticket) {
+            self.pending.remove(replica_id);
+            self.joiners.remove(replica_id);
+        }
+    }
+
+    fn beat(&mut self, replica_id: &str, step: i64, now: Instant) {
+        match self.replicas.get_mut(replica_id) {
+            Some(r) => {
+                r.last_beat = now;
+                r.step = step;
+            }
+            None => {
+                self.replicas.insert(
+                    replica_id.to_string(),
+                    Replica {
+                        last_beat: now,
+                        step,
+                        stream: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Opens a group's heartbeat stream. A second live stream for the same replica id
+    /// is refused, naming the one already connected.
+    pub fn open_stream(
+        &mut self,
+        beat: &proto::Beat,
+        peer: String,
+        events: mpsc::Sender<Result<proto::LighthouseEvent, Status>>,
+        now: Instant,
+    ) -> Result<u64, Status> {
+        let id = &beat.replica_id;
+        if let Some(HeartbeatStream { peer: other, .. }) = self
+            .replicas
+            .get(id)
+            .filter(|r| now.saturating_duration_since(r.last_beat) < self.heartbeat_timeout)
+            .and_then(|r| r.stream.as_ref())
+        {
+            return Err(Status::already_exists(format!(
+                "replica id {id:?} is already live, heartbeating from {other}; give this group \
+                 another --replica-id, or stop the other process (a dead one is forgotten \
+                 within the heartbeat timeout, {:.1} s)",
+                self.heartbeat_timeout.as_secs_f64()
+            )));
+        }
+        self.highest_seen_id = self.highest_seen_id.max(beat.last_quorum_id);
+        self.beat(id, beat.step, now);
+        self.next_ticket += 1;
+        let stream_id = self.next_ticket;
+        if let Some(r) = self.replicas.get_mut(id) {
+            r.stream = Some(HeartbeatStream {
+                id: stream_id,
+                events,
+                peer,
+            });
+        }
+        Ok(stream_id)
+    }
+
+    /// A beat on an open stream. `false` once the stream is no longer the group's
+    /// (evicted or replaced): the server then ends it.
+    pub fn stream_beat(
+        &mut self,
+        replica_id: &str,
+        beat: &proto::Beat,
+        stream_id: u64,
+        now: Instant,
+    ) -> bool {
+        let Some(r) = self.replicas.get_mut(replica_id) else {
+            return false;
+        };
+        if r.stream.as_ref().is_none_or(|s| s.id != stream_id) {
+            return false;
+        }
+        r.last_beat = now;
+        r.step = beat.step;
+        if beat.last_quorum_id > self.highest_seen_id {
+            self.highest_seen_id = beat.last_quorum_id;
+        }
+        true
+    }
+
+    /// The stream dropped: the group is dead now, not after a timeout.
+    pub fn close_stream(&mut self, replica_id: &str, stream_id: u64) -> Option<Eviction> {
+        let ours = self
+            .replicas
+            .get(replica_id)
+            .and_then(|r| r.stream.as_ref())
+            .is_some_and(|s| s.id == stream_id);
+        if !ours {
+            return None;
+        }
+        self.evict(replica_id, Eviction::StreamBroken);
+        Some(Eviction::StreamBroken)
+    }
+
+    /// Declares dead every group silent for longer than the heartbeat timeout.
+    pub fn expire(&mut self, now: Instant) -> Vec<(ReplicaId, Eviction)> {
+        let Some(horizon) = now.checked_sub(self.heartbeat_timeout) else {
+            return Vec::new();
+        };
+        let stale: Vec<ReplicaId> = self
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.last_beat <= horizon)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &stale {
+            self.evict(id, Eviction::HeartbeatTimeout);
+        }
+        stale
+            .into_iter()
+            .map(|id| (id, Eviction::HeartbeatTimeout))
+            .collect()
+    }
+
+    /// Forgets a dead group (nothing of it stays in memory), answers its pending
+    /// request, and tells the other members of the current quorum at once.
+    fn evict(&mut self, replica_id: &str, cause: Eviction) {
+        self.replicas.remove(replica_id);
+        self.joiners.remove(replica_id);
+        if let Some(p) = self.pending.remove(replica_id) {
+            let _ = p.reply.send(Err(Status::unavailable(format!(
+                "replica group {replica_id:?} was declared dead ({}) while waiting for a quorum",
+                cause.as_str()
+            ))));
+        }
+        let Some(current) = &self.previous else {
+            return;
+        };
+        if !current.contains(replica_id) {
+            return;
+        }
+        let event = proto::LighthouseEvent {
+            event: Some(proto::lighthouse_event::Event::MembershipLost(
+                proto::MembershipLost {
+                    quorum_id: current.id,
+                    lost: vec![replica_id.to_string()],
+                    cause: cause.as_str().to_string(),
+                },
+            )),
+        };
+        for peer in current.replica_ids() {
+            if let Some(stream) = self.replicas.get(peer).and_then(|r| r.stream.as_ref()) {
+                // A full queue means the peer is not reading; it will learn from its next quorum.
+                let _ = stream.events.try_send(Ok(event.clone()));
+            }
+        }
+    }
+
+    fn decide(&self, now: Instant) -> Decision {
+        let live = Fresh {
+            replicas: &self.replicas,
+            horizon: now.checked_sub(self.heartbeat_timeout),
+        };
+        quorum::decide(&quorum::Round {
+            joiners: &self.joiners,
+            live: &live,
+            previous: self.previous.as_ref(),
+            highest_seen_id: self.highest_seen_id,
+            config: &self.config,
+            now,
+        })
+    }
+
+    /// Runs the engine; on a quorum, answers every member's pending request.
+    pub fn evaluate(&mut self, now: Instant, unix_ms: i64) -> Option<Issued> {
+        let quorum = match self.decide(now) {
+            Decision::Wait { until, reason } => {
+                self.waiting = (reason, until);
+                return None;
+            }
+            Decision::Issue(q) => q,
+        };
+        let waited = self
+            .joiners
+            .values()
+            .map(|j| j.joined_at)
+            .min()
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+        let changed = self.previous.as_ref().is_none_or(|p| p.id != quorum.id);
+        let reply = Arc::new(proto::Quorum {
+            quorum_id: quorum.id,
+            participants: quorum.members.iter().cloned().map(Into::into).collect(),
+            issued_at_unix_ms: unix_ms,
+        });
+        for id in quorum.replica_ids() {
+            self.joiners.remove(id);
+            if let Some(p) = self.pending.remove(id) {
+                let _ = p.reply.send(Ok(reply.clone()));
+            }
+        }
+        self.highest_seen_id = self.highest_seen_id.max(quorum.id);
+        self.quorums_issued += 1;
+        let issued = Issued {
+            quorum_id: quorum.id,
+            changed,
+            waited,
+        };
+        self.previous = Some(quorum);
+        // Whoever is left (kept out by shrink_only) starts the next round now.
+        for j in self.joiners.values_mut() {
+            j.joined_at = now;
+        }
+        self.waiting = match self.decide(now) {
+            Decision::Wait { until, reason } => (reason, until),
+            Decision::Issue(_) => (WaitReason::NoJoiners, Some(now)),
+        };
+        Some(issued)
+    }
+
+    /// When the background task must look again: the engine's deadline or the next
+    /// heartbeat expiry, whichever is first.
+    pub fn next_wakeup(&self) -> Option<Instant> {
+        let expiry = self
+            .replicas
+            .values()
+            .map(|r| r.last_beat + self.heartbeat_timeout)
+            .min();
+        match (self.waiting.1, expiry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub fn waiting_until(&self) -> Option<Instant> {
+        self.waiting.1
+    }
+
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.heartbeat_timeout
+    }
+
+    pub fn waiting_reason(&self) -> &WaitReason {
+        &self.waiting.0
+    }
+
+    pub fn live_replicas(&self) -> usize {
+        self.replicas.len()
+    }
+
+    pub fn current_quorum(&self) -> Option<&Quorum> {
+        self.previous.as_ref()
+    }
+
+    pub fn snapshot(&self, now: Instant) -> Snapshot {
+        let mut replicas: Vec<ReplicaSnapshot> = self
+            .replicas
+            .iter()
+            .map(|(id, r)| ReplicaSnapshot {
+                replica_id: id.clone(),
+                connected: r.stream.is_some(),
+                joined: self.joiners.contains_key(id),
+                in_quorum: self.previous.as_ref().is_some_and(|q| q.contains(id)),
+                step: r.step,
+                heartbeat_age_ms: now.saturating_duration_since(r.last_beat).as_millis() as u64,
+                peer: r.stream.as_ref().map(|s| s.peer.clone()).unwrap_or_default(),
+            })
+            .collect();
+        replicas.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        Snapshot {
+            quorum_id: self.previous.as_ref().map_or(0, |q| q.id),
+            quorum_members: self
+                .previous
+                .as_ref()
+                .map(|q| q.replica_ids().map(str::to_string).collect())
+                .unwrap_or_default(),
+            replicas,
+            waiting_for: if self.joiners.is_empty() {
+                String::new()
+            } else {
+                self.waiting.0.to_string()
+            },
+            quorums_issued: self.quorums_issued,
+            min_replicas: self.config.min_replicas as u32,
+            join_timeout_ms: self.config.join_timeout.as_millis() as u64,
+            heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
+        }
+    }
+}
+
+/// The lighthouse as the status page, `/status` and the `Status` RPC show it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Snapshot {
+    pub quorum_id: QuorumId,
+    pub quorum_members: Vec<ReplicaId>,
+    pub replicas: Vec<ReplicaSnapshot>,
+    /// Why the next quorum is not issued yet; empty when nobody is waiting.
+    pub waiting_for: String,
+    pub quorums_issued: u64,
+    pub min_replicas: u32,
+    pub join_timeout_ms: u64,
+    pub heartbeat_timeout_ms: u64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReplicaSnapshot {
+    pub replica_id: ReplicaId,
+    pub connected: bool,
+    pub joined: bool,
+    pub in_quorum: bool,
+    pub step: i64,
+    pub heartbeat_age_ms: u64,
+    pub peer: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> LighthouseState {
+        LighthouseState::new(
+            QuorumConfig {
+                min_replicas: 1,
+                join_timeout: Duration::from_secs(1),
+            },
+            Duration::from_secs(2),
+        )
+    }
+
+    fn member(id: &str) -> quorum::Member {
+        quorum::Member {
+            replica_id: id.into(),
+            world_size: 1,
+            ..Default::default()
+        }
+    }
+
+    fn beat(id: &str) -> proto::Beat {
+        proto::Beat {
+            protocol_version: proto::PROTOCOL_VERSION,
+            replica_id: id.into(),
+            ..Default::default()
+        }
+    }
+
+    type Events = mpsc::Receiver<Result<proto::LighthouseEvent, Status>>;
+
+    fn open(s: &mut LighthouseState, id: &str, now: Instant) -> (u64, Events) {
+        let (tx, rx) = mpsc::channel(4);
+        let stream = s.open_stream(&beat(id), "test".into(), tx, now).unwrap();
+        (stream, rx)
+    }
+
+    fn form_quorum(s: &mut LighthouseState, ids: &[&str], now: Instant) -> Arc<proto::Quorum> {
+        let mut replies = Vec::new();
+        for id in ids {
+            let (tx, rx) = oneshot::channel();
+            s.join(member(id), 0, now, tx).unwrap();
+            replies.push(rx);
+        }
+        s.evaluate(now, 0).expect("quorum");
+        let mut got = replies.into_iter().map(|mut r| r.try_recv().unwrap().unwrap());
+        got.next().unwrap()
+    }
+
+    #[test]
+    fn a_broken_stream_evicts_at_once_and_tells_the_other_members() {
+        let t = Instant::now();
+        let mut s = state();
+        let (a_stream, mut a_events) = open(&mut s, "a", t);
+        let (b_stream, _b_events) = open(&mut s, "b", t);
+        form_quorum(&mut s, &["a", "b"], t);
+        assert_eq!(s.close_stream("b", b_stream), Some(Eviction::StreamBroken));
+        let event = a_events.try_recv().unwrap().unwrap();
+        let Some(proto::lighthouse_event::Event::MembershipLost(lost)) = event.event else {
+            panic!("expected a membership loss");
+        };
+        assert_eq!(lost.lost, ["b"]);
+        assert_eq!(lost.cause, "stream_broken");
+        assert_eq!(s.live_replicas(), 1);
+        // A stale stream id (an old connection closing late) changes nothing.
+        assert_eq!(s.close_stream("a", a_stream + 100), None);
+    }
+
+    #[test]
+    fn a_silent_group_expires_after_the_heartbeat_timeout_and_is_forgotten() {
+        let t = Instant::now();
+        let mut s = state();
+        let (a, _ea) = open(&mut s, "a", t);
+        let (_b, _eb) = open(&mut s, "b", t);
+        assert!(s.expire(t + Duration::from_millis(1900)).is_empty());
+        assert!(s.stream_beat("a", &beat("a"), a, t + Duration::from_millis(1900)));
+        let expired = s.expire(t + Duration::from_millis(2000));
+        assert_eq!(expired, [("b".to_string(), Eviction::HeartbeatTimeout)]);
+        assert_eq!(s.live_replicas(), 1);
+        assert_eq!(s.next_wakeup(), Some(t + Duration::from_millis(3900)));
+    }
+
+    #[test]
+    fn a_second_live_stream_for_the_same_replica_is_refused_with_the_conflict_named() {
+        let t = Instant::now();
+        let mut s = state();
+        let _a = open(&mut s, "a", t);
+        let (tx, _rx) = mpsc::channel(1);
+        let err = s.open_stream(&beat("a"), "other".into(), tx, t).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::AlreadyExists);
+        assert!(err.message().contains("heartbeating from test"), "{}", err.message());
+        // Once the first one is silent past the timeout, a restarted group may take over.
+        let (tx, _rx) = mpsc::channel(1);
+        assert!(s.open_stream(&beat("a"), "new".into(), tx, t + Duration::from_secs(3)).is_ok());
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_continues_above_the_ids_it_hears() {
+        let t = Instant::now();
+        let mut s = state();
+        let mut b = beat("a");
+        b.last_quorum_id = 17;
+        let (tx, _rx) = mpsc::channel(1);
+        s.open_stream(&b, "p".into(), tx, t).unwrap();
+        assert_eq!(form_quorum(&mut s, &["a"], t).quorum_id, 18);
+    }
+
+    #[test]
+    fn a_request_that_leaves_no_longer_joins() {
+        let t = Instant::now();
+        let mut s = state();
+        let _a = open(&mut s, "a", t);
+        let _b = open(&mut s, "b", t);
+        let (tx, _rx) = oneshot::channel();
+        let ticket = s.join(member("a"), 0, t, tx).unwrap();
+        s.leave("a", ticket);
+        assert!(s.snapshot(t).replicas.iter().all(|r| !r.joined));
+        assert!(s.evaluate(t, 0).is_none());
+        assert_eq!(s.waiting_reason(), &WaitReason::NoJoiners);
+    }
+}

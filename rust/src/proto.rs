@@ -1,0 +1,39 @@
+//! Generated wire types (see `rust/proto/phalanx.proto`) and their conversions to the
+//! engine's own types.
+
+#![allow(clippy::all, missing_docs)]
+
+tonic::include_proto!("phalanx.v1");
+
+/// The protocol version this build speaks; every request carries it.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+impl From<Member> for crate::quorum::Member {
+    fn from(m: Member) -> Self {
+        crate::quorum::Member {
+            replica_id: m.replica_id,
+            manager_address: m.manager_address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            commit_failures: m.commit_failures,
+            state_addresses: m.state_addresses,
+        }
+    }
+}
+
+impl From<crate::quorum::Member> for Member {
+    fn from(m: crate::quorum::Member) -> Self {
+        Member {
+            replica_id: m.replica_id,
+            manager_address: m.manager_address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            commit_failures: m.commit_failures,
+            state_addresses: m.state_addresses,
+        }
+    }
+}

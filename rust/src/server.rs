@@ -1,0 +1,96 @@
+//! Starting and stopping a tonic server, shared by the lighthouse and the manager.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::Routes;
+
+use crate::Error;
+
+/// How long a stopping server waits for open calls before dropping them.
+const GRACE: Duration = Duration::from_secs(1);
+
+/// A running server. Dropping it stops the server too, without waiting.
+pub struct ServerHandle {
+    addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Signals every task of the server, gives open calls a short grace, then ends them.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks.drain(..) {
+            let abort = task.abort_handle();
+            if tokio::time::timeout(GRACE, task).await.is_err() {
+                abort.abort();
+            }
+        }
+    }
+
+    /// A receiver that flips when the server stops, for the server's own tasks.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
+    pub fn add_task(&mut self, task: JoinHandle<()>) {
+        self.tasks.push(task);
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Binds `bind` ("host:port", port 0 for any) and serves `routes` until shut down.
+pub async fn spawn(
+    bind: &str,
+    routes: impl FnOnce(watch::Receiver<bool>) -> Routes,
+) -> Result<ServerHandle, Error> {
+    let listener = TcpListener::bind(bind).await.map_err(|source| Error::Bind {
+        address: bind.to_string(),
+        source,
+    })?;
+    let addr = listener.local_addr().map_err(|source| Error::Bind {
+        address: bind.to_string(),
+        source,
+    })?;
+    let (shutdown, mut stop) = watch::channel(false);
+    let routes = routes(shutdown.subscribe());
+    let server = tonic::transport::Server::builder()
+        .accept_http1(true)
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .add_routes(routes);
+    let task = tokio::spawn(async move {
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        if let Err(e) = server
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped)
+            .await
+        {
+            tracing::error!(%addr, "server stopped: {e}");
+        }
+    });
+    Ok(ServerHandle {
+        addr,
+        shutdown,
+        tasks: vec![task],
+    })
+}
