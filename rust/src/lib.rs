@@ -2,8 +2,11 @@
 //! server, and (with the `python` feature) their Python bindings, `phalanx._core`.
 
 pub mod auth;
+pub mod cli;
+pub mod client;
 mod error;
 pub mod lighthouse;
+pub mod manager;
 pub mod proto;
 pub mod quorum;
 pub mod server;

@@ -272,20 +272,20 @@ pub fn decide(round: &Round<'_>) -> Decision {
     }
 
     let members: Vec<Member> = members.iter().map(|j| j.member.clone()).collect();
-    let id = next_id(&members, &joined, previous, highest_seen_id);
+    let id = next_id(&members, joiners, previous, highest_seen_id);
     Decision::Issue(Quorum { id, members })
 }
 
 /// Keeps the previous id for an unchanged, healthy membership; otherwise moves above
-/// every id anyone has seen.
+/// every id anyone has seen, the ids reported by joiners since declared dead included.
 fn next_id(
     members: &[Member],
-    joined: &[&Joiner],
+    joiners: &BTreeMap<ReplicaId, Joiner>,
     previous: Option<&Quorum>,
     highest_seen_id: QuorumId,
 ) -> QuorumId {
-    let highest = joined
-        .iter()
+    let highest = joiners
+        .values()
         .map(|j| j.last_quorum_id)
         .chain(previous.map(|p| p.id))
         .fold(highest_seen_id, QuorumId::max);

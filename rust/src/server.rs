@@ -37,11 +37,6 @@ impl ServerHandle {
         }
     }
 
-    /// A receiver that flips when the server stops, for the server's own tasks.
-    pub fn subscribe(&self) -> watch::Receiver<bool> {
-        self.shutdown.subscribe()
-    }
-
     pub fn add_task(&mut self, task: JoinHandle<()>) {
         self.tasks.push(task);
     }
@@ -56,21 +51,23 @@ impl Drop for ServerHandle {
     }
 }
 
-/// Binds `bind` ("host:port", port 0 for any) and serves `routes` until shut down.
-pub async fn spawn(
-    bind: &str,
-    routes: impl FnOnce(watch::Receiver<bool>) -> Routes,
-) -> Result<ServerHandle, Error> {
-    let listener = TcpListener::bind(bind).await.map_err(|source| Error::Bind {
-        address: bind.to_string(),
+/// Binds `address` ("host:port", port 0 for any free port).
+pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), Error> {
+    let bind_error = |source| Error::Bind {
+        address: address.to_string(),
         source,
-    })?;
-    let addr = listener.local_addr().map_err(|source| Error::Bind {
-        address: bind.to_string(),
-        source,
-    })?;
-    let (shutdown, mut stop) = watch::channel(false);
-    let routes = routes(shutdown.subscribe());
+    };
+    let listener = TcpListener::bind(address).await.map_err(bind_error)?;
+    let addr = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, addr))
+}
+
+/// Serves `routes` on `listener` until `shutdown` is set (or the handle dropped).
+pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool>) -> ServerHandle {
+    let addr = listener
+        .local_addr()
+        .expect("a bound listener has an address");
+    let mut stop = shutdown.subscribe();
     let server = tonic::transport::Server::builder()
         .accept_http1(true)
         .tcp_nodelay(true)
@@ -88,9 +85,9 @@ pub async fn spawn(
             tracing::error!(%addr, "server stopped: {e}");
         }
     });
-    Ok(ServerHandle {
+    ServerHandle {
         addr,
         shutdown,
         tasks: vec![task],
-    })
+    }
 }

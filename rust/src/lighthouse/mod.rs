@@ -8,6 +8,8 @@ pub mod state;
 
 use std::time::Duration;
 
+use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 
 use crate::auth::JobToken;
@@ -75,24 +77,20 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
         },
         options.heartbeat_timeout,
     ));
-    let token = options.token.clone();
-    let routes_shared = shared.clone();
-    let mut handle = server::spawn(&options.bind, move |shutdown| {
-        let grpc = LighthouseServer::new(LighthouseService {
-            shared: routes_shared.clone(),
-            shutdown,
-        })
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
-        let grpc = tonic::service::interceptor::InterceptedService::new(grpc, token.clone());
-        Routes::new(grpc)
-            .into_axum_router()
-            .merge(http::router(routes_shared, token))
-            .into()
+    let (listener, _) = server::bind(&options.bind).await?;
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let grpc = LighthouseServer::new(LighthouseService {
+        shared: shared.clone(),
+        shutdown: shutdown_rx.clone(),
     })
-    .await?;
-    let deadlines = tokio::spawn(shared.run_deadlines(handle.subscribe()));
-    handle.add_task(deadlines);
-    tracing::info!(
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, options.token.clone());
+    let routes = Routes::new(grpc)
+        .into_axum_router()
+        .merge(http::router(shared.clone(), options.token.clone()));
+    let mut handle = server::spawn(listener, routes.into(), shutdown);
+    handle.add_task(tokio::spawn(shared.run_deadlines(shutdown_rx)));
+    tracing::debug!(
         address = %handle.local_addr(),
         min_replicas = options.min_replicas,
         "lighthouse listening (status page at http://{}/)",

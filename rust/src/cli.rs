@@ -1,0 +1,117 @@
+//! The standalone lighthouse's command line, shared by the `phalanx-lighthouse`
+//! binary and the `phalanx lighthouse` subcommand of the Python CLI.
+
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::auth::JobToken;
+use crate::lighthouse::{self, LighthouseOptions};
+use crate::Error;
+
+/// Run the lighthouse of a phalanx job: it decides which replica groups take part in
+/// each step and watches their liveness. Serves gRPC and, on the same port, a status
+/// page at `/`, `/status` (JSON) and `/metrics` (Prometheus).
+#[derive(Debug, Parser)]
+#[command(name = "phalanx-lighthouse", version)]
+pub struct LighthouseArgs {
+    /// Address to listen on, host:port (port 0 picks a free one).
+    #[arg(long, env = "PHALANX_LIGHTHOUSE_BIND", default_value = "0.0.0.0:29510")]
+    pub bind: String,
+    /// Fewest replica groups that may form a quorum.
+    #[arg(long, env = "PHALANX_MIN_REPLICAS", default_value_t = 1)]
+    pub min_replicas: usize,
+    /// How long a quorum waits for a late live group (e.g. 1s, 500ms).
+    #[arg(long, env = "PHALANX_JOIN_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    pub join_timeout: Duration,
+    /// How long a connected group may stay silent before it is declared dead.
+    #[arg(long, env = "PHALANX_HEARTBEAT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub heartbeat_timeout: Duration,
+    /// Job token; with it set, every request without it is refused.
+    #[arg(long, env = "PHALANX_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+impl LighthouseArgs {
+    pub fn options(&self) -> LighthouseOptions {
+        LighthouseOptions {
+            bind: self.bind.clone(),
+            min_replicas: self.min_replicas,
+            join_timeout: self.join_timeout,
+            heartbeat_timeout: self.heartbeat_timeout,
+            token: JobToken::new(self.token.clone()),
+        }
+    }
+}
+
+/// Parses "1.5", "1.5s", "250ms", "2m" into a duration; a bare number is seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, scale) = if let Some(n) = text.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (text, 1.0)
+    };
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration; write e.g. 1s, 250ms or 2m"))?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(format!("{text:?} is not a duration; it must be 0 or more"));
+    }
+    Ok(Duration::from_secs_f64(value * scale))
+}
+
+/// Serves until SIGINT or SIGTERM, then shuts down cleanly.
+pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
+    let handle = lighthouse::serve(args.options()).await?;
+    let addr = handle.local_addr();
+    let shown = if addr.ip().is_unspecified() {
+        format!(
+            "{}:{}",
+            gethostname::gethostname().to_string_lossy(),
+            addr.port()
+        )
+    } else {
+        addr.to_string()
+    };
+    println!("phalanx lighthouse listening on {addr}; status page: http://{shown}/");
+    wait_for_signal().await;
+    println!("phalanx lighthouse shutting down");
+    handle.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_like_a_person_writes_them() {
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2s"), Ok(Duration::from_secs(2)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("soon").unwrap_err().contains("e.g. 1s"));
+        assert!(parse_duration("-1s").is_err());
+    }
+}

@@ -1,0 +1,414 @@
+//! The manager server: one per replica group, hosted by its rank 0. It gathers the
+//! quorum requests of the group's ranks, asks the lighthouse once for the whole group,
+//! hands each rank its plan, decides the group's commit vote, keeps the group's
+//! heartbeat stream open and relays membership-loss events to the ranks.
+
+pub mod plan;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{broadcast, oneshot, watch};
+use tokio_stream::wrappers::BroadcastStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::service::interceptor::InterceptedService;
+use tonic::service::Routes;
+use tonic::{Request, Response, Status};
+
+use crate::auth::JobToken;
+use crate::client::{keep_heartbeat, LighthouseClient, Progress};
+use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
+use crate::server::{self, ServerHandle};
+use crate::{validate, Error};
+
+const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// Commit decisions remembered for ranks that vote after the others timed out.
+const DECISIONS_KEPT: usize = 64;
+
+#[derive(Clone, Debug)]
+pub struct ManagerOptions {
+    pub replica_id: String,
+    pub lighthouse_address: String,
+    /// "host:port" to listen on; port 0 picks a free one.
+    pub bind: String,
+    /// The host peers and ranks use to reach this server; by default the bind host,
+    /// or this machine's hostname when binding to all interfaces.
+    pub advertise_host: Option<String>,
+    /// The group's rendezvous store, passed on to the cross-group process group.
+    pub store_address: String,
+    pub world_size: u32,
+    pub heartbeat_interval: Duration,
+    pub connect_timeout: Duration,
+    pub init_sync: bool,
+    pub token: JobToken,
+}
+
+impl ManagerOptions {
+    pub fn validate(&self) -> Result<(), Error> {
+        let check = |r: Result<(), Status>| r.map_err(|s| Error::InvalidConfig(s.message().into()));
+        check(validate::replica_id(&self.replica_id))?;
+        check(validate::world_size(self.world_size))?;
+        check(validate::address("store address", &self.store_address))?;
+        if self.heartbeat_interval.is_zero() {
+            return Err(Error::InvalidConfig(
+                "the heartbeat interval must be positive, e.g. 100ms".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+type Reply<T> = oneshot::Sender<Result<T, Status>>;
+
+struct RankRequest {
+    state_address: String,
+    shrink_only: bool,
+    reply: Reply<proto::ManagerQuorumResponse>,
+}
+
+/// The group's ranks asking for the quorum of one step.
+struct Gathering {
+    step: i64,
+    ranks: BTreeMap<u32, RankRequest>,
+}
+
+struct Ballot {
+    voted: BTreeSet<u32>,
+    all_yes: bool,
+    waiters: Vec<oneshot::Sender<bool>>,
+}
+
+#[derive(Default)]
+struct Group {
+    gathering: Option<Gathering>,
+    ballots: BTreeMap<i64, Ballot>,
+    decided: VecDeque<(i64, bool)>,
+    last_quorum_id: u64,
+    commit_failures: u32,
+}
+
+impl Group {
+    /// Records a decision and answers every rank still waiting on it.
+    fn decide(&mut self, step: i64, commit: bool) {
+        if let Some(ballot) = self.ballots.remove(&step) {
+            for waiter in ballot.waiters {
+                let _ = waiter.send(commit);
+            }
+        }
+        if !commit {
+            self.commit_failures = self.commit_failures.saturating_add(1);
+        }
+        self.decided.push_back((step, commit));
+        if self.decided.len() > DECISIONS_KEPT {
+            self.decided.pop_front();
+        }
+    }
+
+    fn decided(&self, step: i64) -> Option<bool> {
+        self.decided.iter().rev().find(|(s, _)| *s == step).map(|(_, c)| *c)
+    }
+}
+
+struct Shared {
+    options: ManagerOptions,
+    manager_address: String,
+    lighthouse: LighthouseClient,
+    group: Mutex<Group>,
+    progress: watch::Sender<Progress>,
+    events: broadcast::Sender<proto::MembershipLost>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Group> {
+        self.group.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// All ranks are in: one lighthouse request for the whole group.
+    async fn ask_lighthouse(self: Arc<Self>, gathering: Gathering, timeout: Duration) {
+        let (last_quorum_id, commit_failures) = {
+            let g = self.lock();
+            (g.last_quorum_id, g.commit_failures)
+        };
+        let member = proto::Member {
+            replica_id: self.options.replica_id.clone(),
+            manager_address: self.manager_address.clone(),
+            store_address: self.options.store_address.clone(),
+            step: gathering.step,
+            world_size: self.options.world_size,
+            shrink_only: gathering.ranks.values().any(|r| r.shrink_only),
+            commit_failures,
+            state_addresses: gathering
+                .ranks
+                .values()
+                .map(|r| r.state_address.clone())
+                .collect(),
+        };
+        let result = self.lighthouse.quorum(member, last_quorum_id, timeout).await;
+        let quorum = match result {
+            Ok(q) => q,
+            Err(e) => {
+                let status = match e {
+                    Error::Rpc(status) => status,
+                    other => Status::unavailable(other.to_string()),
+                };
+                for r in gathering.ranks.into_values() {
+                    let _ = r.reply.send(Err(status.clone()));
+                }
+                return;
+            }
+        };
+        {
+            let mut g = self.lock();
+            g.last_quorum_id = g.last_quorum_id.max(quorum.quorum_id);
+            g.commit_failures = g.commit_failures.saturating_sub(commit_failures);
+        }
+        self.progress.send_modify(|p| {
+            p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
+            p.step = gathering.step;
+        });
+        for (rank, r) in gathering.ranks {
+            let plan = plan::rank_plan(&quorum, &self.options.replica_id, rank, self.options.init_sync);
+            let _ = r.reply.send(plan);
+        }
+    }
+}
+
+struct ManagerService {
+    shared: Arc<Shared>,
+}
+
+fn check_rank(rank: u32, world_size: u32) -> Result<(), Status> {
+    if rank >= world_size {
+        return Err(Status::invalid_argument(format!(
+            "group rank {rank} is out of range for a group of {world_size} ranks"
+        )));
+    }
+    Ok(())
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<proto::ManagerEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Manager for ManagerService {
+    async fn quorum(
+        &self,
+        request: Request<proto::ManagerQuorumRequest>,
+    ) -> Result<Response<proto::ManagerQuorumResponse>, Status> {
+        let req = request.into_inner();
+        let shared = &self.shared;
+        let world_size = shared.options.world_size;
+        validate::protocol_version(req.protocol_version)?;
+        check_rank(req.group_rank, world_size)?;
+        validate::step(req.step)?;
+        validate::address("state address", &req.state_address)?;
+        let timeout = validate::timeout_ms(req.timeout_ms)?;
+
+        let (reply, answer) = oneshot::channel();
+        let complete = {
+            let mut g = shared.lock();
+            if let Some(gathering) = &g.gathering {
+                if gathering.step != req.step {
+                    let asked: Vec<String> = gathering
+                        .ranks
+                        .keys()
+                        .map(|r| format!("rank {r} at step {}", gathering.step))
+                        .collect();
+                    let status = Status::invalid_argument(format!(
+                        "the ranks of replica group {:?} disagree on the step: {} but rank {} at \
+                         step {}; every rank must start the quorum of the same step",
+                        shared.options.replica_id,
+                        asked.join(", "),
+                        req.group_rank,
+                        req.step
+                    ));
+                    for r in g.gathering.take().into_iter().flat_map(|g| g.ranks.into_values()) {
+                        let _ = r.reply.send(Err(status.clone()));
+                    }
+                    return Err(status);
+                }
+            }
+            let gathering = g.gathering.get_or_insert_with(|| Gathering {
+                step: req.step,
+                ranks: BTreeMap::new(),
+            });
+            let request = RankRequest {
+                state_address: req.state_address,
+                shrink_only: req.shrink_only,
+                reply,
+            };
+            if let Some(old) = gathering.ranks.insert(req.group_rank, request) {
+                let _ = old
+                    .reply
+                    .send(Err(Status::aborted("superseded by a newer request from the same rank")));
+            }
+            if gathering.ranks.len() == world_size as usize {
+                g.gathering.take()
+            } else {
+                None
+            }
+        };
+        if let Some(gathering) = complete {
+            tokio::spawn(shared.clone().ask_lighthouse(gathering, timeout));
+        }
+
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(result)) => result.map(Response::new),
+            Ok(Err(_)) => Err(Status::unavailable("the manager server is shutting down")),
+            Err(_) => {
+                let mut g = shared.lock();
+                let missing: Vec<u32> = match &mut g.gathering {
+                    Some(gathering) if gathering.step == req.step => {
+                        gathering.ranks.remove(&req.group_rank);
+                        (0..world_size)
+                            .filter(|r| *r != req.group_rank && !gathering.ranks.contains_key(r))
+                            .collect()
+                    }
+                    _ => Vec::new(),
+                };
+                let why = if missing.is_empty() {
+                    "the lighthouse did not answer in time".to_string()
+                } else {
+                    format!("rank(s) {missing:?} of the group did not ask")
+                };
+                Err(Status::deadline_exceeded(format!(
+                    "no quorum for replica group {:?} at step {} within {:.3} s: {why}",
+                    shared.options.replica_id,
+                    req.step,
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+    }
+
+    async fn should_commit(
+        &self,
+        request: Request<proto::ShouldCommitRequest>,
+    ) -> Result<Response<proto::ShouldCommitResponse>, Status> {
+        let req = request.into_inner();
+        let shared = &self.shared;
+        let world_size = shared.options.world_size;
+        validate::protocol_version(req.protocol_version)?;
+        check_rank(req.group_rank, world_size)?;
+        validate::step(req.step)?;
+        let timeout = validate::timeout_ms(req.timeout_ms)?;
+
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut g = shared.lock();
+            if let Some(commit) = g.decided(req.step) {
+                return Ok(Response::new(proto::ShouldCommitResponse { commit }));
+            }
+            let ballot = g.ballots.entry(req.step).or_insert_with(|| Ballot {
+                voted: BTreeSet::new(),
+                all_yes: true,
+                waiters: Vec::new(),
+            });
+            ballot.voted.insert(req.group_rank);
+            ballot.all_yes &= req.vote;
+            ballot.waiters.push(tx);
+            if ballot.voted.len() == world_size as usize {
+                let commit = ballot.all_yes;
+                g.decide(req.step, commit);
+            }
+        }
+        let commit = match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(commit)) => commit,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                // A rank that never votes means "no" for everyone, never a hang.
+                let mut g = shared.lock();
+                let missing: Vec<u32> = g
+                    .ballots
+                    .get(&req.step)
+                    .map(|b| (0..world_size).filter(|r| !b.voted.contains(r)).collect())
+                    .unwrap_or_default();
+                tracing::warn!(
+                    replica_id = shared.options.replica_id,
+                    step = req.step,
+                    "rank(s) {missing:?} did not vote within {:.3} s; the step is not committed",
+                    timeout.as_secs_f64()
+                );
+                g.decide(req.step, false);
+                g.decided(req.step).unwrap_or(false)
+            }
+        };
+        Ok(Response::new(proto::ShouldCommitResponse { commit }))
+    }
+
+    type EventsStream = EventStream;
+
+    async fn events(
+        &self,
+        request: Request<proto::EventsRequest>,
+    ) -> Result<Response<Self::EventsStream>, Status> {
+        validate::protocol_version(request.into_inner().protocol_version)?;
+        let stream = BroadcastStream::new(self.shared.events.subscribe()).filter_map(|e| {
+            // A lagging listener misses events; they are hints, the next quorum is the truth.
+            e.ok().map(|lost| {
+                Ok(proto::ManagerEvent {
+                    membership_lost: Some(lost),
+                })
+            })
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+fn advertised_address(options: &ManagerOptions, bound: std::net::SocketAddr) -> String {
+    let host = match &options.advertise_host {
+        Some(h) if !h.is_empty() => h.clone(),
+        _ if bound.ip().is_unspecified() => gethostname::gethostname().to_string_lossy().into_owned(),
+        _ => bound.ip().to_string(),
+    };
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", bound.port())
+    } else {
+        format!("{host}:{}", bound.port())
+    }
+}
+
+/// A running manager server and the address its ranks and peers use.
+pub struct ManagerHandle {
+    pub server: ServerHandle,
+    pub address: String,
+}
+
+/// Starts a group's manager server on the current tokio runtime.
+pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
+    options.validate()?;
+    let lighthouse = LighthouseClient::new(
+        &options.lighthouse_address,
+        &options.token,
+        options.connect_timeout,
+    )?;
+    let (progress, progress_rx) = watch::channel(Progress::default());
+    let (events, _) = broadcast::channel(64);
+    let (listener, bound) = server::bind(&options.bind).await?;
+    let manager_address = advertised_address(&options, bound);
+    let shared = Arc::new(Shared {
+        options: options.clone(),
+        manager_address: manager_address.clone(),
+        lighthouse: lighthouse.clone(),
+        group: Mutex::new(Group::default()),
+        progress,
+        events: events.clone(),
+    });
+    let grpc = ManagerServer::new(ManagerService { shared })
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, options.token.clone());
+    let mut handle = server::spawn(listener, Routes::new(grpc), watch::channel(false).0);
+    handle.add_task(tokio::spawn(keep_heartbeat(
+        lighthouse,
+        options.replica_id.clone(),
+        options.heartbeat_interval,
+        progress_rx,
+        events,
+    )));
+    tracing::info!(replica_id = options.replica_id, address = manager_address, "manager server listening");
+    Ok(ManagerHandle {
+        server: handle,
+        address: manager_address,
+    })
+}
