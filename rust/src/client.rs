@@ -182,6 +182,15 @@ pub struct Progress {
     pub step: i64,
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Keeps a group's heartbeat stream open for as long as the task runs, re-opening it
 /// after a lighthouse restart, and forwards the membership-loss events it receives.
 pub async fn keep_heartbeat(
@@ -206,7 +215,7 @@ pub async fn keep_heartbeat(
         let sender = {
             let progress = progress.clone();
             let beat = beat.clone();
-            tokio::spawn(async move {
+            AbortOnDrop(tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 ticker.tick().await;
@@ -217,7 +226,7 @@ pub async fn keep_heartbeat(
                         return;
                     }
                 }
-            })
+            }))
         };
         match client.heartbeat(beats_rx, interval.max(Duration::from_secs(1))).await {
             Ok(mut stream) => {
@@ -246,7 +255,7 @@ pub async fn keep_heartbeat(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
-        sender.abort();
+        drop(sender);
         tokio::time::sleep(backoff).await;
     }
 }

@@ -13,3 +13,6 @@ pub mod server;
 pub mod validate;
 
 pub use error::{Error, ErrorKind};
+
+#[cfg(feature = "python")]
+mod python;

@@ -319,6 +319,11 @@ impl Manager for ManagerService {
             Err(_) => {
                 // A rank that never votes means "no" for everyone, never a hang.
                 let mut g = shared.lock();
+                // The last vote may have come in while this timer fired: every rank
+                // of the group must get that decision, not a second one.
+                if let Some(commit) = g.decided(req.step) {
+                    return Ok(Response::new(proto::ShouldCommitResponse { commit }));
+                }
                 let missing: Vec<u32> = g
                     .ballots
                     .get(&req.step)
@@ -331,7 +336,7 @@ impl Manager for ManagerService {
                     timeout.as_secs_f64()
                 );
                 g.decide(req.step, false);
-                g.decided(req.step).unwrap_or(false)
+                false
             }
         };
         Ok(Response::new(proto::ShouldCommitResponse { commit }))
@@ -398,14 +403,23 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let grpc = ManagerServer::new(ManagerService { shared })
         .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
-    let mut handle = server::spawn(listener, Routes::new(grpc), watch::channel(false).0);
-    handle.add_task(tokio::spawn(keep_heartbeat(
+    let (shutdown, mut stopping) = watch::channel(false);
+    let mut handle = server::spawn(listener, Routes::new(grpc), shutdown);
+    let heartbeat = keep_heartbeat(
         lighthouse,
         options.replica_id.clone(),
         options.heartbeat_interval,
         progress_rx,
         events,
-    )));
+    );
+    // A stopping server closes its heartbeat stream at once, so that the lighthouse
+    // and the other groups learn now, not after the shutdown grace.
+    handle.add_task(tokio::spawn(async move {
+        tokio::select! {
+            _ = heartbeat => {}
+            _ = stopping.wait_for(|s| *s) => {}
+        }
+    }));
     tracing::info!(replica_id = options.replica_id, address = manager_address, "manager server listening");
     Ok(ManagerHandle {
         server: handle,

@@ -1,0 +1,5 @@
+import sys
+
+from phalanx.cli import main
+
+sys.exit(main())

@@ -1,0 +1,234 @@
+"""Types of the Rust core, `phalanx._core`.
+
+Every blocking call releases the GIL and has a deadline. Errors are raised as
+`TimeoutError` (deadline passed), `ConnectionError` (server unreachable or shutting
+down), `PermissionError` (missing or wrong job token) or `ValueError` (bad input),
+each with a message that says what to do.
+"""
+
+from types import TracebackType
+
+__version__: str
+PROTOCOL_VERSION: int
+
+class Member:
+    """A replica group as it took part in a quorum."""
+
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def manager_address(self) -> str: ...
+    @property
+    def store_address(self) -> str: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def shrink_only(self) -> bool: ...
+    @property
+    def commit_failures(self) -> int: ...
+    @property
+    def state_addresses(self) -> list[str]:
+        """Where each rank of the group serves its state, by group rank."""
+
+class Quorum:
+    """A quorum as the lighthouse issued it; participants are ordered by replica id."""
+
+    @property
+    def quorum_id(self) -> int: ...
+    @property
+    def participants(self) -> list[Member]: ...
+    @property
+    def issued_at_unix_ms(self) -> int: ...
+
+class RecoverySource:
+    """An up-to-date peer a healing rank downloads its state from."""
+
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def state_address(self) -> str: ...
+
+class QuorumResult:
+    """One rank's answer to a quorum request."""
+
+    @property
+    def quorum_id(self) -> int: ...
+    @property
+    def replica_rank(self) -> int:
+        """This group's rank among the participants."""
+    @property
+    def replica_world_size(self) -> int:
+        """How many groups take part."""
+    @property
+    def participants(self) -> list[Member]: ...
+    @property
+    def max_step(self) -> int: ...
+    @property
+    def heal(self) -> bool:
+        """True when this group must load the state of `max_step` before it may commit."""
+    @property
+    def recovery_sources(self) -> list[RecoverySource]:
+        """Every up-to-date peer (same group rank), to stripe the download over."""
+    @property
+    def store_address(self) -> str:
+        """The rendezvous store of the cross-group process group."""
+    @property
+    def store_prefix(self) -> str:
+        """A key prefix unique to this quorum and group rank."""
+
+class MembershipLost:
+    """Members of the current quorum died; the step in flight should be abandoned."""
+
+    @property
+    def quorum_id(self) -> int: ...
+    @property
+    def lost(self) -> list[str]: ...
+    @property
+    def cause(self) -> str:
+        """"stream_broken" (process gone) or "heartbeat_timeout" (hung)."""
+
+class ReplicaStatus:
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def joined(self) -> bool: ...
+    @property
+    def in_quorum(self) -> bool: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def heartbeat_age_ms(self) -> int: ...
+    @property
+    def peer(self) -> str: ...
+
+class LighthouseStatus:
+    @property
+    def quorum_id(self) -> int: ...
+    @property
+    def quorum_members(self) -> list[str]: ...
+    @property
+    def replicas(self) -> list[ReplicaStatus]: ...
+    @property
+    def waiting_for(self) -> str:
+        """Why the next quorum is not issued yet; empty when nobody is waiting."""
+    @property
+    def quorums_issued(self) -> int: ...
+    @property
+    def uptime_ms(self) -> int: ...
+    @property
+    def min_replicas(self) -> int: ...
+    @property
+    def join_timeout_ms(self) -> int: ...
+    @property
+    def heartbeat_timeout_ms(self) -> int: ...
+
+class LighthouseServer:
+    """The lighthouse of a job, served from this process (gRPC and HTTP on one port).
+
+    >>> with LighthouseServer(bind="127.0.0.1:0") as lighthouse:
+    ...     lighthouse.status_url.startswith("http://127.0.0.1:")
+    True
+    """
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:0",
+        min_replicas: int = 1,
+        join_timeout: float = 1.0,
+        heartbeat_timeout: float = 2.0,
+        token: str | None = None,
+    ) -> None: ...
+    @property
+    def address(self) -> str:
+        """host:port for clients."""
+    @property
+    def status_url(self) -> str: ...
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> LighthouseServer: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+class LighthouseClient:
+    def __init__(
+        self, address: str, token: str | None = None, connect_timeout: float = 5.0
+    ) -> None: ...
+    def quorum(
+        self,
+        replica_id: str,
+        timeout: float,
+        step: int = 0,
+        world_size: int = 1,
+        manager_address: str = "",
+        store_address: str = "",
+        state_addresses: list[str] = ...,
+        shrink_only: bool = False,
+        commit_failures: int = 0,
+        last_quorum_id: int = 0,
+    ) -> Quorum:
+        """Waits until a quorum that includes `replica_id` is issued."""
+    def status(self, timeout: float = 5.0) -> LighthouseStatus: ...
+
+class ManagerServer:
+    """A replica group's manager server, hosted by the group's rank 0.
+
+    It keeps the group's heartbeat stream to the lighthouse open from the moment it
+    starts until `shutdown()`.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_address: str,
+        world_size: int = 1,
+        bind: str = "127.0.0.1:0",
+        store_address: str = "",
+        advertise_host: str | None = None,
+        heartbeat_interval: float = 0.1,
+        connect_timeout: float = 5.0,
+        init_sync: bool = True,
+        token: str | None = None,
+    ) -> None: ...
+    @property
+    def address(self) -> str:
+        """host:port that the group's ranks and its peers use."""
+    def shutdown(self) -> None: ...
+    def __enter__(self) -> ManagerServer: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+class ManagerClient:
+    """One rank's connection to its group's manager server."""
+
+    def __init__(
+        self, address: str, token: str | None = None, connect_timeout: float = 5.0
+    ) -> None: ...
+    def quorum(
+        self,
+        group_rank: int,
+        step: int,
+        timeout: float,
+        state_address: str = "",
+        shrink_only: bool = False,
+    ) -> QuorumResult:
+        """Asks for the quorum of `step`; every rank of the group must ask for the same step."""
+    def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
+        """True only if every rank of the group voted yes before the deadline."""
+    def subscribe_events(self, timeout: float = 5.0) -> None:
+        """Starts listening for membership-loss events (idempotent)."""
+    def next_event(self, timeout: float = 0.0) -> MembershipLost | None:
+        """The next membership-loss event, or None after `timeout` seconds."""
+
+def run_lighthouse_cli(argv: list[str]) -> int:
+    """`phalanx lighthouse ARGS…`: serves until SIGINT/SIGTERM; returns the exit code."""

@@ -1,0 +1,587 @@
+//! The lighthouse over real loopback sockets: quorums, crash and hang detection,
+//! restart without state (I3), the job token (I8), and refusal of bad input.
+//!
+//! Every test starts its own lighthouse on 127.0.0.1 port 0 with short timeouts, and
+//! every wait is bounded, so a regression fails fast instead of hanging (I6).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use phalanx::auth::JobToken;
+use phalanx::client::LighthouseClient;
+use phalanx::lighthouse::{self, LighthouseOptions};
+use phalanx::proto::{self, PROTOCOL_VERSION};
+use phalanx::server::ServerHandle;
+use phalanx::{Error, ErrorKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+const JOIN_TIMEOUT: Duration = Duration::from_millis(200);
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(500);
+const BEAT_EVERY: Duration = Duration::from_millis(50);
+/// Upper bound for any single wait in these tests; far above what a pass needs.
+const PATIENCE: Duration = Duration::from_secs(5);
+/// What a call may take from these tests' point of view (the server's own long poll).
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+fn options(min_replicas: usize) -> LighthouseOptions {
+    LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        min_replicas,
+        join_timeout: JOIN_TIMEOUT,
+        heartbeat_timeout: HEARTBEAT_TIMEOUT,
+        token: JobToken::default(),
+    }
+}
+
+async fn start(min_replicas: usize) -> (ServerHandle, SocketAddr) {
+    let handle = lighthouse::serve(options(min_replicas))
+        .await
+        .expect("lighthouse starts");
+    let addr = handle.local_addr();
+    (handle, addr)
+}
+
+fn client(addr: SocketAddr) -> LighthouseClient {
+    client_with_token(addr, &JobToken::default())
+}
+
+fn client_with_token(addr: SocketAddr, token: &JobToken) -> LighthouseClient {
+    LighthouseClient::new(&addr.to_string(), token, Duration::from_secs(1)).expect("client")
+}
+
+/// A single-rank replica group as it asks the lighthouse for a quorum.
+fn member(id: &str, step: i64) -> proto::Member {
+    proto::Member {
+        replica_id: id.into(),
+        manager_address: format!("{id}-manager:29512"),
+        store_address: "127.0.0.1:29500".into(),
+        step,
+        world_size: 1,
+        state_addresses: vec![format!("{id}-state:1")],
+        ..Default::default()
+    }
+}
+
+fn beat(id: &str) -> proto::Beat {
+    proto::Beat {
+        protocol_version: PROTOCOL_VERSION,
+        replica_id: id.into(),
+        last_quorum_id: 0,
+        step: 0,
+    }
+}
+
+/// Fails the test with `what` if `fut` does not finish within `limit`.
+async fn bounded<T>(what: &str, limit: Duration, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no result within {limit:?}"))
+}
+
+/// Asks for a quorum in a task of its own, as a replica group's manager would.
+fn ask(
+    client: &LighthouseClient,
+    member: proto::Member,
+    last_quorum_id: u64,
+) -> JoinHandle<Result<proto::Quorum, Error>> {
+    let client = client.clone();
+    tokio::spawn(async move { client.quorum(member, last_quorum_id, CALL_TIMEOUT).await })
+}
+
+async fn answers(tasks: Vec<JoinHandle<Result<proto::Quorum, Error>>>) -> Vec<proto::Quorum> {
+    let mut quorums = Vec::new();
+    for task in tasks {
+        let quorum = bounded("quorum request", PATIENCE, task)
+            .await
+            .expect("quorum task")
+            .expect("quorum issued");
+        quorums.push(quorum);
+    }
+    quorums
+}
+
+fn ids(quorum: &proto::Quorum) -> Vec<&str> {
+    quorum.participants.iter().map(|m| m.replica_id.as_str()).collect()
+}
+
+/// An open heartbeat stream: the sender that feeds its beats and the events coming back.
+struct Heartbeat {
+    beats: mpsc::Sender<proto::Beat>,
+    events: tonic::Streaming<proto::LighthouseEvent>,
+}
+
+async fn open_heartbeat(client: &LighthouseClient, id: &str) -> Result<Heartbeat, Error> {
+    let (beats, rx) = mpsc::channel(8);
+    // The server reads the first beat before it answers the call: queue it up front.
+    beats.try_send(beat(id)).expect("room for the first beat");
+    let events = bounded("open heartbeat", PATIENCE, client.heartbeat(rx, CALL_TIMEOUT)).await?;
+    Ok(Heartbeat { beats, events })
+}
+
+/// Beats every `BEAT_EVERY` until aborted; aborting it drops the sender, ending the stream.
+fn keep_beating(beats: mpsc::Sender<proto::Beat>, id: &str) -> JoinHandle<()> {
+    let id = id.to_string();
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(BEAT_EVERY);
+        loop {
+            ticker.tick().await;
+            if beats.send(beat(&id)).await.is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// A group that stays alive: heartbeat stream open and beating.
+struct LiveGroup {
+    beating: JoinHandle<()>,
+    events: tonic::Streaming<proto::LighthouseEvent>,
+    client: LighthouseClient,
+}
+
+async fn live_group(addr: SocketAddr, id: &str) -> LiveGroup {
+    let client = client(addr);
+    let hb = open_heartbeat(&client, id).await.expect("heartbeat stream opens");
+    LiveGroup {
+        beating: keep_beating(hb.beats, id),
+        events: hb.events,
+        client,
+    }
+}
+
+async fn next_membership_lost(
+    events: &mut tonic::Streaming<proto::LighthouseEvent>,
+    within: Duration,
+) -> proto::MembershipLost {
+    let event = bounded("membership-loss event", within, events.message())
+        .await
+        .expect("event stream healthy")
+        .expect("event stream still open");
+    match event.event {
+        Some(proto::lighthouse_event::Event::MembershipLost(lost)) => lost,
+        other => panic!("expected a membership loss, got {other:?}"),
+    }
+}
+
+async fn status_rpc(client: &LighthouseClient) -> proto::StatusResponse {
+    client.status(CALL_TIMEOUT).await.expect("status RPC")
+}
+
+fn known(status: &proto::StatusResponse, id: &str) -> bool {
+    status.replicas.iter().any(|r| r.replica_id == id)
+}
+
+/// One HTTP/1.1 GET over a plain TCP stream: (status code, body).
+async fn http_get(addr: SocketAddr, path: &str, authorization: Option<&str>) -> (u16, String) {
+    bounded("HTTP GET", PATIENCE, async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect for HTTP");
+        let mut request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+        if let Some(value) = authorization {
+            request.push_str(&format!("Authorization: {value}\r\n"));
+        }
+        request.push_str("\r\n");
+        stream.write_all(request.as_bytes()).await.expect("send HTTP request");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read HTTP response");
+        let raw = String::from_utf8(raw).expect("UTF-8 response");
+        let (head, body) = raw.split_once("\r\n\r\n").expect("HTTP head and body");
+        let code = head
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no status code in {head:?}"));
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        let body = if chunked { dechunk(body) } else { body.to_string() };
+        (code, body)
+    })
+    .await
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).expect("chunk size");
+        if size == 0 {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+    out
+}
+
+async fn status_json(addr: SocketAddr) -> serde_json::Value {
+    let (code, body) = http_get(addr, "/status", None).await;
+    assert_eq!(code, 200, "GET /status: {body}");
+    serde_json::from_str(&body).expect("/status is JSON")
+}
+
+fn json_knows(status: &serde_json::Value, id: &str) -> bool {
+    status["replicas"]
+        .as_array()
+        .expect("replicas array")
+        .iter()
+        .any(|r| r["replica_id"] == id)
+}
+
+/// Polls `check` every 10 ms until it holds; fails the test after `within`.
+async fn eventually<F, Fut>(what: &str, within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    bounded(what, within, async {
+        while !check().await {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
+fn rpc_code(result: Result<impl std::fmt::Debug, Error>) -> (Code, String) {
+    match result {
+        Err(Error::Rpc(status)) => (status.code(), status.message().to_string()),
+        other => panic!("expected a status from the server, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_groups_get_the_same_sorted_quorum_and_keep_its_id_next_round() {
+    let (_lighthouse, addr) = start(3).await;
+    let client = client(addr);
+    // Asked in an order that is not the replica-id order, to see the sorting.
+    let names = ["group-c", "group-a", "group-b"];
+
+    let first = answers(names.iter().map(|n| ask(&client, member(n, 0), 0)).collect()).await;
+    let id = first[0].quorum_id;
+    assert!(id > 0, "quorum ids start above 0");
+    for q in &first {
+        assert_eq!(q.quorum_id, id, "every group sees the same quorum id");
+        assert_eq!(ids(q), ["group-a", "group-b", "group-c"], "members sorted by replica id");
+    }
+    assert_eq!(first[0].participants, first[1].participants);
+    assert_eq!(first[1].participants, first[2].participants);
+
+    // Same members, no commit failures: the quorum is unchanged, so is its id.
+    let second = answers(names.iter().map(|n| ask(&client, member(n, 1), id)).collect()).await;
+    for q in &second {
+        assert_eq!(q.quorum_id, id, "an unchanged membership keeps its id");
+        assert_eq!(ids(q), ["group-a", "group-b", "group-c"]);
+        assert!(q.participants.iter().all(|m| m.step == 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_group_is_evicted_and_its_peers_are_told_within_half_a_second() {
+    let (_lighthouse, addr) = start(3).await;
+    let mut a = live_group(addr, "a").await;
+    let mut b = live_group(addr, "b").await;
+    let c = live_group(addr, "c").await;
+    let quorum = answers(vec![
+        ask(&a.client, member("a", 0), 0),
+        ask(&b.client, member("b", 0), 0),
+        ask(&c.client, member("c", 0), 0),
+    ])
+    .await;
+    let id = quorum[0].quorum_id;
+    assert!(json_knows(&status_json(addr).await, "c"));
+
+    // "Kill" c: its beating task (which owns the sender), its event stream and its
+    // connection all go at once, as when the process dies.
+    let killed = Instant::now();
+    c.beating.abort();
+    drop(c);
+
+    for (name, group) in [("a", &mut a), ("b", &mut b)] {
+        let lost = next_membership_lost(&mut group.events, PATIENCE).await;
+        let after = killed.elapsed();
+        assert_eq!(lost.lost, ["c"], "{name} is told who died");
+        assert_eq!(lost.cause, "stream_broken");
+        assert_eq!(lost.quorum_id, id, "the event names the quorum it breaks");
+        assert!(
+            after < Duration::from_millis(500),
+            "{name} learnt of the crash after {after:?}; it must take well under 1 s"
+        );
+    }
+    eventually("c gone from /status", Duration::from_millis(500), || async {
+        !json_knows(&status_json(addr).await, "c")
+    })
+    .await;
+    let status = status_json(addr).await;
+    assert!(json_knows(&status, "a") && json_knows(&status, "b"), "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_group_is_evicted_after_the_heartbeat_timeout() {
+    let (_lighthouse, addr) = start(2).await;
+    let mut alive = live_group(addr, "alive").await;
+    let hung_client = client(addr);
+    // The hung group's stream stays open (sender and events kept) but never beats again.
+    let hung = open_heartbeat(&hung_client, "hung").await.expect("stream opens");
+    let Heartbeat {
+        beats: _keep_open,
+        events: mut hung_events,
+    } = hung;
+
+    // A quorum request counts as a beat; the last sign of life is at or after `t0`.
+    let t0 = Instant::now();
+    answers(vec![
+        ask(&alive.client, member("alive", 0), 0),
+        ask(&hung_client, member("hung", 0), 0),
+    ])
+    .await;
+
+    let lost = next_membership_lost(&mut alive.events, PATIENCE).await;
+    let after = t0.elapsed();
+    assert_eq!(lost.lost, ["hung"]);
+    assert_eq!(lost.cause, "heartbeat_timeout");
+    assert!(
+        after >= HEARTBEAT_TIMEOUT && after < HEARTBEAT_TIMEOUT + Duration::from_millis(500),
+        "evicted after {after:?}; expected between {HEARTBEAT_TIMEOUT:?} and 0.5 s more"
+    );
+    let status = status_rpc(&alive.client).await;
+    assert!(!known(&status, "hung"), "{status:?}");
+    assert!(known(&status, "alive"), "the beating group stays: {status:?}");
+
+    // The lighthouse lets go of the evicted stream: its events end.
+    let end = bounded("hung stream ends", PATIENCE, hung_events.message()).await;
+    assert!(matches!(end, Ok(None) | Err(_)), "got {end:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_lighthouse_numbers_quorums_above_the_ids_groups_report() {
+    let (first, addr) = start(2).await;
+    let a = client(addr);
+    let b = client(addr);
+    // Groups that have seen id 41 elsewhere: the lighthouse goes above it.
+    let before = answers(vec![ask(&a, member("a", 5), 41), ask(&b, member("b", 5), 41)]).await;
+    let n = before[0].quorum_id;
+    assert!(n > 41);
+
+    first.shutdown().await;
+    let mut again = options(2);
+    again.bind = addr.to_string();
+    let second = lighthouse::serve(again)
+        .await
+        .expect("a new lighthouse binds the same port");
+    assert_eq!(second.local_addr(), addr);
+
+    // The new lighthouse knows nothing. Group a reports N, group b (say, freshly
+    // restarted itself) reports 0; the same clients reconnect on their own.
+    let after = answers(vec![ask(&a, member("a", 6), n), ask(&b, member("b", 6), 0)]).await;
+    for q in &after {
+        assert!(q.quorum_id > n, "id {} after restart, was {n}", q.quorum_id);
+    }
+    assert_eq!(after[0].quorum_id, after[1].quorum_id);
+    second.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_token_set_every_request_without_it_is_refused() {
+    let token = JobToken::new(Some("s3cret".into()));
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        token: token.clone(),
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = lighthouse.local_addr();
+
+    for (who, presented) in [("no token", JobToken::default()), ("wrong token", JobToken::new(Some("guess".into())))] {
+        let c = client_with_token(addr, &presented);
+        let err = c.quorum(member("a", 0), 0, CALL_TIMEOUT).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Permission, "{who}: {err}");
+        let (code, message) = rpc_code(Err::<(), _>(err));
+        assert_eq!(code, Code::Unauthenticated, "{who}");
+        assert!(message.contains("token"), "{who}: {message}");
+        let (code, _) = rpc_code(c.status(CALL_TIMEOUT).await);
+        assert_eq!(code, Code::Unauthenticated, "{who}: Status RPC");
+        let (code, _) = rpc_code(open_heartbeat(&c, "a").await.map(|_| ()));
+        assert_eq!(code, Code::Unauthenticated, "{who}: heartbeat stream");
+    }
+    let good = client_with_token(addr, &token);
+    assert_eq!(good.quorum(member("a", 0), 0, CALL_TIMEOUT).await.expect("admitted").participants.len(), 1);
+
+    for path in ["/", "/status", "/metrics"] {
+        let (code, body) = http_get(addr, path, None).await;
+        assert_eq!(code, 401, "GET {path} without a token");
+        assert!(body.contains("token"), "the refusal says what is missing: {body}");
+        let (code, _) = http_get(addr, path, Some("Bearer guess")).await;
+        assert_eq!(code, 401, "GET {path} with a wrong token");
+    }
+    let (code, body) = http_get(addr, "/status", Some("Bearer s3cret")).await;
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(status["quorum_members"][0], "a");
+    // The status page's script passes the token in the query string instead.
+    let (code, _) = http_get(addr, "/status?token=s3cret", None).await;
+    assert_eq!(code, 200);
+}
+
+/// The generated client on a plain channel, so requests can be built field by field.
+async fn raw_client(addr: SocketAddr) -> proto::lighthouse_client::LighthouseClient<Channel> {
+    let channel = bounded(
+        "connect",
+        PATIENCE,
+        Endpoint::from_shared(format!("http://{addr}")).unwrap().connect(),
+    )
+    .await
+    .expect("connects");
+    proto::lighthouse_client::LighthouseClient::new(channel)
+}
+
+fn raw_request(requester: Option<proto::Member>) -> proto::LighthouseQuorumRequest {
+    proto::LighthouseQuorumRequest {
+        protocol_version: PROTOCOL_VERSION,
+        requester,
+        last_quorum_id: 0,
+        timeout_ms: 1_000,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_and_the_lighthouse_serves_on() {
+    let (_lighthouse, addr) = start(1).await;
+    let mut raw = raw_client(addr).await;
+
+    let with = |f: fn(&mut proto::Member)| {
+        let mut m = member("ok", 0);
+        f(&mut m);
+        raw_request(Some(m))
+    };
+    let cases: Vec<(&str, proto::LighthouseQuorumRequest, Code, &str)> = vec![
+        ("bad replica id", with(|m| m.replica_id = "a b".into()), Code::InvalidArgument, "' ' at byte 1"),
+        ("empty replica id", with(|m| m.replica_id.clear()), Code::InvalidArgument, "empty"),
+        ("negative step", with(|m| m.step = -1), Code::InvalidArgument, "step -1"),
+        ("world size 0", with(|m| m.world_size = 0), Code::InvalidArgument, "world size 0"),
+        (
+            "more state addresses than ranks",
+            with(|m| m.state_addresses = vec!["x:1".into(), "y:1".into()]),
+            Code::InvalidArgument,
+            "one per rank",
+        ),
+        ("address with a newline", with(|m| m.store_address = "h:1\n".into()), Code::InvalidArgument, "store address"),
+        ("no requester", raw_request(None), Code::InvalidArgument, "without a requester"),
+        (
+            "zero timeout",
+            proto::LighthouseQuorumRequest { timeout_ms: 0, ..with(|_| {}) },
+            Code::InvalidArgument,
+            "timeout of 0 ms",
+        ),
+        (
+            "wrong protocol version",
+            proto::LighthouseQuorumRequest { protocol_version: 99, ..with(|_| {}) },
+            Code::FailedPrecondition,
+            "protocol version 99",
+        ),
+    ];
+    for (what, request, code, needle) in cases {
+        let status = bounded(what, PATIENCE, raw.quorum(request))
+            .await
+            .expect_err(what);
+        assert_eq!(status.code(), code, "{what}: {}", status.message());
+        assert!(status.message().contains(needle), "{what}: {:?} lacks {needle:?}", status.message());
+    }
+    let version = bounded("version", PATIENCE, raw.quorum(proto::LighthouseQuorumRequest {
+        protocol_version: 99,
+        ..raw_request(Some(member("ok", 0)))
+    }))
+    .await
+    .unwrap_err();
+    assert!(
+        version.message().contains(&format!("speaks version {PROTOCOL_VERSION}")),
+        "the refusal names both versions: {}",
+        version.message()
+    );
+
+    // A 1 MiB replica id: refused by size before it is even decoded.
+    let huge = raw_request(Some(member(&"x".repeat(1 << 20), 0)));
+    let status = bounded("oversized", PATIENCE, raw.quorum(huge)).await.unwrap_err();
+    assert!(
+        matches!(status.code(), Code::ResourceExhausted | Code::OutOfRange),
+        "oversized request: {:?} {}",
+        status.code(),
+        status.message()
+    );
+
+    // Bad first beats on a heartbeat stream are refused the same way.
+    let c = client(addr);
+    let (tx, rx) = mpsc::channel(1);
+    tx.try_send(proto::Beat { protocol_version: 99, ..beat("hb") }).unwrap();
+    let (code, message) = rpc_code(c.heartbeat(rx, CALL_TIMEOUT).await);
+    assert_eq!(code, Code::FailedPrecondition, "{message}");
+    let (tx, rx) = mpsc::channel(1);
+    tx.try_send(beat("no/slash")).unwrap();
+    let (code, message) = rpc_code(c.heartbeat(rx, CALL_TIMEOUT).await);
+    assert_eq!(code, Code::InvalidArgument, "{message}");
+    let (tx, rx) = mpsc::channel(1);
+    tx.try_send(proto::Beat { step: -3, ..beat("hb") }).unwrap();
+    let (code, message) = rpc_code(c.heartbeat(rx, CALL_TIMEOUT).await);
+    assert_eq!(code, Code::InvalidArgument, "{message}");
+
+    // None of it left a trace: the same connection and a fresh client both get quorums.
+    let q = bounded("quorum after bad input", PATIENCE, raw.quorum(raw_request(Some(member("ok", 0)))))
+        .await
+        .expect("served on the same connection")
+        .into_inner()
+        .quorum
+        .expect("a quorum");
+    assert_eq!(ids(&q), ["ok"]);
+    let q = c.quorum(member("ok", 1), q.quorum_id, CALL_TIMEOUT).await.expect("served");
+    assert_eq!(ids(&q), ["ok"]);
+    let status = status_rpc(&c).await;
+    assert_eq!(status.replicas.iter().map(|r| r.replica_id.as_str()).collect::<Vec<_>>(), ["ok"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_heartbeat_stream_for_a_live_replica_id_is_refused_naming_the_first() {
+    let (_lighthouse, addr) = start(1).await;
+    let first = live_group(addr, "dup").await;
+
+    let other = client(addr);
+    let (code, message) = rpc_code(open_heartbeat(&other, "dup").await.map(|_| ()));
+    assert_eq!(code, Code::AlreadyExists, "{message}");
+    assert!(message.contains("\"dup\""), "names the replica id: {message}");
+    assert!(
+        message.contains("heartbeating from 127.0.0.1:"),
+        "names where the live one connects from: {message}"
+    );
+
+    // The first stream is untouched: still connected and still counted.
+    let status = status_rpc(&first.client).await;
+    let dup = status.replicas.iter().find(|r| r.replica_id == "dup").expect("dup known");
+    assert!(dup.connected, "{status:?}");
+    assert!(dup.heartbeat_age_ms < HEARTBEAT_TIMEOUT.as_millis() as u64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_request_for_a_waiting_replica_id_from_another_manager_is_refused() {
+    // Two groups needed: the first request stays pending while the second arrives.
+    let (_lighthouse, addr) = start(2).await;
+    let c = client(addr);
+    let waiting = ask(&c, member("twin", 0), 0);
+    let mut impostor = member("twin", 0);
+    impostor.manager_address = "127.0.0.1:9".into();
+    eventually("first request pending", PATIENCE, || async {
+        status_rpc(&c).await.replicas.iter().any(|r| r.replica_id == "twin" && r.joined)
+    })
+    .await;
+
+    let (code, message) = rpc_code(c.quorum(impostor, 0, CALL_TIMEOUT).await);
+    assert_eq!(code, Code::AlreadyExists, "{message}");
+    assert!(message.contains("\"twin\"") && message.contains("twin-manager:29512"), "{message}");
+
+    // The first request still gets its quorum once a second group comes.
+    let other = answers(vec![ask(&c, member("other", 0), 0)]).await;
+    let first = answers(vec![waiting]).await;
+    assert_eq!(ids(&first[0]), ["other", "twin"]);
+    assert_eq!(first[0].quorum_id, other[0].quorum_id);
+}

@@ -1,0 +1,282 @@
+//! Manager servers over real loopback sockets, each with a real lighthouse: gathering
+//! a group's ranks into one quorum request, the commit vote (I2), healing plans,
+//! a lighthouse that is down, and the relay of membership-loss events.
+//!
+//! Every wait is bounded and the timeouts are short, so the file runs in seconds (I6).
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use phalanx::auth::JobToken;
+use phalanx::client::ManagerClient;
+use phalanx::lighthouse::{self, LighthouseOptions};
+use phalanx::manager::{self, ManagerHandle, ManagerOptions};
+use phalanx::proto;
+use phalanx::server::ServerHandle;
+use phalanx::{Error, ErrorKind};
+use tokio::task::JoinHandle;
+use tonic::Code;
+
+/// Upper bound for any single wait in these tests; far above what a pass needs.
+const PATIENCE: Duration = Duration::from_secs(5);
+/// The timeout ranks give their calls when they expect an answer.
+const CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
+    lighthouse::serve(LighthouseOptions {
+        bind: "127.0.0.1:0".into(),
+        min_replicas,
+        join_timeout: Duration::from_millis(200),
+        heartbeat_timeout: Duration::from_millis(500),
+        token: JobToken::default(),
+    })
+    .await
+    .expect("lighthouse starts")
+}
+
+async fn start_manager(replica_id: &str, lighthouse_address: &str, world_size: u32) -> ManagerHandle {
+    manager::serve(ManagerOptions {
+        replica_id: replica_id.into(),
+        lighthouse_address: lighthouse_address.into(),
+        bind: "127.0.0.1:0".into(),
+        advertise_host: None,
+        store_address: format!("{replica_id}-store:29500"),
+        world_size,
+        heartbeat_interval: Duration::from_millis(50),
+        connect_timeout: Duration::from_millis(500),
+        init_sync: false,
+        token: JobToken::default(),
+    })
+    .await
+    .expect("manager server starts")
+}
+
+fn rank_client(manager: &ManagerHandle) -> ManagerClient {
+    ManagerClient::new(&manager.address, &JobToken::default(), Duration::from_secs(1))
+        .expect("manager client")
+}
+
+/// Where rank `rank` of group `group` serves its state (never dialled in these tests).
+fn state_address(group: &str, rank: u32) -> String {
+    format!("{group}-rank{rank}:7000")
+}
+
+type Answer<T> = JoinHandle<Result<T, Error>>;
+
+/// One rank asking for the quorum of `step`, in a task of its own as in a real group.
+fn ask(client: &ManagerClient, group: &str, rank: u32, step: i64) -> Answer<proto::ManagerQuorumResponse> {
+    let client = client.clone();
+    let state = state_address(group, rank);
+    tokio::spawn(async move { client.quorum(rank, step, state, false, CALL_TIMEOUT).await })
+}
+
+fn vote(client: &ManagerClient, rank: u32, step: i64, yes: bool, timeout: Duration) -> Answer<bool> {
+    let client = client.clone();
+    tokio::spawn(async move { client.should_commit(rank, step, yes, timeout).await })
+}
+
+async fn bounded<T>(what: &str, limit: Duration, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no result within {limit:?}"))
+}
+
+async fn answer<T>(what: &str, task: Answer<T>) -> Result<T, Error> {
+    bounded(what, PATIENCE, task).await.expect("task ran")
+}
+
+fn rpc_status(result: Result<impl std::fmt::Debug, Error>) -> tonic::Status {
+    match result {
+        Err(Error::Rpc(status)) => status,
+        other => panic!("expected a status from the server, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_ranks_of_a_group_get_their_plan_from_one_quorum() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
+    let c = rank_client(&group);
+
+    let r0 = ask(&c, "g", 0, 4);
+    let r1 = ask(&c, "g", 1, 4);
+    let p0 = answer("rank 0", r0).await.expect("rank 0 plan");
+    let p1 = answer("rank 1", r1).await.expect("rank 1 plan");
+
+    assert!(p0.quorum_id > 0);
+    assert_eq!(p0.quorum_id, p1.quorum_id, "one quorum for the whole group");
+    for (rank, plan) in [(0, &p0), (1, &p1)] {
+        assert_eq!(plan.replica_rank, 0, "the only group is replica 0");
+        assert_eq!(plan.replica_world_size, 1);
+        assert_eq!(plan.max_step, 4);
+        assert!(!plan.heal, "nobody is ahead of the only group");
+        assert!(plan.recovery_sources.is_empty());
+        assert_eq!(plan.store_address, "g-store:29500");
+        assert_eq!(plan.store_prefix, format!("phalanx/q{}/r{rank}", plan.quorum_id));
+    }
+    // The lighthouse got one member for the group, carrying every rank's state address.
+    let me = &p0.participants[..];
+    assert_eq!(me.len(), 1);
+    assert_eq!(me[0].replica_id, "g");
+    assert_eq!(me[0].manager_address, group.address);
+    assert_eq!(me[0].world_size, 2);
+    assert_eq!(me[0].step, 4);
+    assert_eq!(me[0].state_addresses, [state_address("g", 0), state_address("g", 1)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_that_disagree_on_the_step_are_all_refused_with_both_steps_named() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
+    let c = rank_client(&group);
+
+    let early = ask(&c, "g", 0, 5);
+    // Let rank 0's request arrive first, so it is the one waiting when rank 1 disagrees.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = ask(&c, "g", 1, 6);
+    for (who, task) in [("rank 0", early), ("rank 1", late)] {
+        let status = rpc_status(answer(who, task).await);
+        assert_eq!(status.code(), Code::InvalidArgument, "{who}: {}", status.message());
+        let message = status.message();
+        assert!(
+            message.contains("rank 0 at step 5") && message.contains("rank 1 at step 6"),
+            "{who}: the refusal names both: {message}"
+        );
+    }
+
+    // Nothing is left half-gathered: the next attempt with agreeing steps goes through.
+    let r0 = ask(&c, "g", 0, 6);
+    let r1 = ask(&c, "g", 1, 6);
+    assert_eq!(answer("rank 0", r0).await.expect("plan").max_step, 6);
+    assert_eq!(answer("rank 1", r1).await.expect("plan").max_step, 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_group_commits_only_when_every_rank_votes_yes() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
+    let c = rank_client(&group);
+    let timeout = Duration::from_secs(2);
+
+    let yes = [vote(&c, 0, 1, true, timeout), vote(&c, 1, 1, true, timeout)];
+    for task in yes {
+        assert!(answer("both yes", task).await.expect("vote"), "all yes commits");
+    }
+
+    let split = [vote(&c, 0, 2, true, timeout), vote(&c, 1, 2, false, timeout)];
+    for task in split {
+        assert!(!answer("one no", task).await.expect("vote"), "one no aborts for every rank");
+    }
+
+    // Rank 1 never votes on step 3: rank 0 gets "no" at its timeout instead of hanging.
+    let short = Duration::from_millis(200);
+    let asked = Instant::now();
+    let alone = answer("missing rank", vote(&c, 0, 3, true, short)).await.expect("vote");
+    let waited = asked.elapsed();
+    assert!(!alone, "a missing vote is a no");
+    assert!(
+        waited >= short && waited < short + Duration::from_millis(500),
+        "answered after {waited:?}, expected about {short:?}"
+    );
+    // A rank that votes after the decision gets the same decision, not a new ballot.
+    let straggler = answer("late vote", vote(&c, 1, 3, true, short)).await.expect("vote");
+    assert!(!straggler, "the late rank must not commit a step the group aborted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_behind_heals_from_the_same_rank_of_the_up_to_date_group() {
+    let lighthouse = start_lighthouse(2).await;
+    let address = lighthouse.local_addr().to_string();
+    let ahead = start_manager("ahead", &address, 2).await;
+    let behind = start_manager("behind", &address, 2).await;
+    let (ca, cb) = (rank_client(&ahead), rank_client(&behind));
+
+    let tasks = [
+        ask(&ca, "ahead", 0, 10),
+        ask(&ca, "ahead", 1, 10),
+        ask(&cb, "behind", 0, 3),
+        ask(&cb, "behind", 1, 3),
+    ];
+    let mut plans = Vec::new();
+    for task in tasks {
+        plans.push(answer("plan", task).await.expect("plan"));
+    }
+    let id = plans[0].quorum_id;
+    assert!(plans.iter().all(|p| p.quorum_id == id && p.max_step == 10));
+    assert!(plans.iter().all(|p| p.replica_world_size == 2));
+    assert!(plans.iter().all(|p| p.store_address == "ahead-store:29500"), "the first participant's store hosts the group");
+
+    for (rank, plan) in [(0u32, &plans[0]), (1, &plans[1])] {
+        assert_eq!(plan.replica_rank, 0, "\"ahead\" sorts first");
+        assert!(!plan.heal, "ahead rank {rank} is up to date");
+        assert!(plan.recovery_sources.is_empty());
+    }
+    for (rank, plan) in [(0u32, &plans[2]), (1, &plans[3])] {
+        assert_eq!(plan.replica_rank, 1);
+        assert!(plan.heal, "behind rank {rank} is at step 3 of 10");
+        let sources: Vec<(&str, &str)> = plan
+            .recovery_sources
+            .iter()
+            .map(|s| (s.replica_id.as_str(), s.state_address.as_str()))
+            .collect();
+        assert_eq!(
+            sources,
+            [("ahead", state_address("ahead", rank).as_str())],
+            "rank {rank} heals from rank {rank} of the up-to-date group"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_lighthouse_down_a_quorum_fails_at_once_as_a_connection_error() {
+    // A port that was free a moment ago: nothing listens there.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let nowhere = free.local_addr().expect("address").to_string();
+    drop(free);
+    let group = start_manager("g", &nowhere, 1).await;
+    let c = rank_client(&group);
+
+    let asked = Instant::now();
+    let timeout = Duration::from_secs(5);
+    let result = bounded("quorum", timeout * 2, c.quorum(0, 0, state_address("g", 0), false, timeout)).await;
+    let waited = asked.elapsed();
+    let err = result.expect_err("no lighthouse, no quorum");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+    assert!(err.message().contains(&nowhere), "the error names the lighthouse address: {err}");
+    assert!(
+        waited < Duration::from_secs(1),
+        "failed after {waited:?}; a refused connection must not wait for the {timeout:?} timeout"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_group_is_reported_to_the_ranks_of_the_others_within_a_second() {
+    let lighthouse = start_lighthouse(2).await;
+    let address = lighthouse.local_addr().to_string();
+    let stays = start_manager("stays", &address, 1).await;
+    let stops = start_manager("stops", &address, 1).await;
+    let (cs, cx) = (rank_client(&stays), rank_client(&stops));
+    let plans = [ask(&cs, "stays", 0, 0), ask(&cx, "stops", 0, 0)];
+    let mut id = 0;
+    for task in plans {
+        id = answer("first quorum", task).await.expect("plan").quorum_id;
+    }
+    let mut events = bounded("subscribe", PATIENCE, cs.events(CALL_TIMEOUT))
+        .await
+        .expect("events stream");
+
+    let stopped = Instant::now();
+    // Stopping the server takes its heartbeat with it, as when the host process exits.
+    let shutdown = tokio::spawn(stops.server.shutdown());
+    let event = bounded("membership-loss relay", PATIENCE, events.message())
+        .await
+        .expect("events stream healthy")
+        .expect("events stream open");
+    let after = stopped.elapsed();
+    let lost = event.membership_lost.expect("a membership loss");
+    assert_eq!(lost.lost, ["stops"]);
+    assert_eq!(lost.quorum_id, id);
+    assert_eq!(lost.cause, "stream_broken", "a stopped group is a crash, not a hang");
+    assert!(after < Duration::from_secs(1), "relayed after {after:?}");
+    bounded("shutdown", PATIENCE, shutdown).await.expect("shutdown task");
+}
