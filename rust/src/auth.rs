@@ -40,7 +40,11 @@ impl JobToken {
 
 impl std::fmt::Debug for JobToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.is_set() { "JobToken(set)" } else { "JobToken(none)" })
+        f.write_str(if self.is_set() {
+            "JobToken(set)"
+        } else {
+            "JobToken(none)"
+        })
     }
 }
 

@@ -134,13 +134,7 @@ impl LighthouseClient {
             timeout,
         );
         let mut client = self.inner.clone();
-        let response = call(
-            "lighthouse",
-            &self.address,
-            timeout,
-            client.quorum(request),
-        )
-        .await?;
+        let response = call("lighthouse", &self.address, timeout, client.quorum(request)).await?;
         response
             .quorum
             .ok_or_else(|| Error::Rpc(Status::internal("the lighthouse answered without a quorum")))
@@ -228,7 +222,10 @@ pub async fn keep_heartbeat(
                 }
             }))
         };
-        match client.heartbeat(beats_rx, interval.max(Duration::from_secs(1))).await {
+        match client
+            .heartbeat(beats_rx, interval.max(Duration::from_secs(1)))
+            .await
+        {
             Ok(mut stream) => {
                 backoff = interval;
                 loop {
@@ -240,18 +237,29 @@ pub async fn keep_heartbeat(
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => {
-                            tracing::warn!(replica_id, "the lighthouse ended the heartbeat stream; re-opening");
+                            tracing::warn!(
+                                replica_id,
+                                "the lighthouse ended the heartbeat stream; re-opening"
+                            );
                             break;
                         }
                         Err(status) => {
-                            tracing::warn!(replica_id, "heartbeat stream lost: {}; re-opening", status.message());
+                            tracing::warn!(
+                                replica_id,
+                                "heartbeat stream lost: {}; re-opening",
+                                status.message()
+                            );
                             break;
                         }
                     }
                 }
             }
             Err(e) => {
-                tracing::warn!(replica_id, "cannot open the heartbeat stream: {}", e.message());
+                tracing::warn!(
+                    replica_id,
+                    "cannot open the heartbeat stream: {}",
+                    e.message()
+                );
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
@@ -296,7 +304,13 @@ impl ManagerClient {
             timeout,
         );
         let mut client = self.inner.clone();
-        call("manager server", &self.address, timeout, client.quorum(request)).await
+        call(
+            "manager server",
+            &self.address,
+            timeout,
+            client.quorum(request),
+        )
+        .await
     }
 
     pub async fn should_commit(
@@ -317,7 +331,13 @@ impl ManagerClient {
             timeout,
         );
         let mut client = self.inner.clone();
-        let r = call("manager server", &self.address, timeout, client.should_commit(request)).await?;
+        let r = call(
+            "manager server",
+            &self.address,
+            timeout,
+            client.should_commit(request),
+        )
+        .await?;
         Ok(r.commit)
     }
 

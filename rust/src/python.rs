@@ -50,7 +50,10 @@ fn to_py(e: Error) -> PyErr {
 }
 
 /// Runs `fut` to completion without the GIL, checking for Ctrl-C in between.
-fn wait<T: Send>(py: Python<'_>, fut: impl Future<Output = Result<T, Error>> + Send) -> PyResult<T> {
+fn wait<T: Send>(
+    py: Python<'_>,
+    fut: impl Future<Output = Result<T, Error>> + Send,
+) -> PyResult<T> {
     let mut fut = Box::pin(fut);
     loop {
         let step = py.detach(|| {
@@ -243,7 +246,11 @@ impl LighthouseServer {
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
         let address = if addr.ip().is_unspecified() {
-            format!("{}:{}", gethostname::gethostname().to_string_lossy(), addr.port())
+            format!(
+                "{}:{}",
+                gethostname::gethostname().to_string_lossy(),
+                addr.port()
+            )
         } else {
             addr.to_string()
         };
@@ -293,7 +300,12 @@ pub struct LighthouseClient {
 impl LighthouseClient {
     #[new]
     #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
-    fn new(py: Python<'_>, address: &str, token: Option<String>, connect_timeout: f64) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        token: Option<String>,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
         let connect_timeout = seconds("connect_timeout", connect_timeout)?;
         let token = token_of(token);
         // Building a channel needs a runtime context.
@@ -335,7 +347,9 @@ impl LighthouseClient {
             state_addresses,
         };
         let client = self.inner.clone();
-        let q = wait(py, async move { client.quorum(member, last_quorum_id, timeout).await })?;
+        let q = wait(py, async move {
+            client.quorum(member, last_quorum_id, timeout).await
+        })?;
         Ok(Quorum {
             quorum_id: q.quorum_id,
             participants: q.participants.into_iter().map(Into::into).collect(),
@@ -453,7 +467,12 @@ pub struct ManagerClient {
 impl ManagerClient {
     #[new]
     #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
-    fn new(py: Python<'_>, address: &str, token: Option<String>, connect_timeout: f64) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        token: Option<String>,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
         let connect_timeout = seconds("connect_timeout", connect_timeout)?;
         let token = token_of(token);
         let inner = py
@@ -573,7 +592,10 @@ impl ManagerClient {
 
 impl ManagerClient {
     fn events_slot(&self) -> Option<EventQueue> {
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

@@ -292,7 +292,8 @@ fn next_id(
     let unchanged = previous.is_some_and(|p| {
         p.id == highest
             && p.members.len() == members.len()
-            && p.replica_ids().eq(members.iter().map(|m| m.replica_id.as_str()))
+            && p.replica_ids()
+                .eq(members.iter().map(|m| m.replica_id.as_str()))
     });
     let failures = members.iter().any(|m| m.commit_failures > 0);
     if unchanged && !failures {

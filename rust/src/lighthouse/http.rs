@@ -31,10 +31,10 @@ async fn require_token(State(token): State<JobToken>, request: Request, next: Ne
         .headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let from_query = request.uri().query().and_then(|q| {
-        q.split('&')
-            .find_map(|kv| kv.strip_prefix("token="))
-    });
+    let from_query = request
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("token=")));
     if token.admits(from_header) || (from_query.is_some() && token.admits(from_query)) {
         next.run(request).await
     } else {

@@ -205,7 +205,9 @@ impl Lighthouse for LighthouseService {
         let heartbeat_timeout = self.shared.lock().heartbeat_timeout();
         let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
             Ok(Ok(Some(beat))) => beat,
-            Ok(Ok(None)) => return Err(Status::invalid_argument("heartbeat stream without a beat")),
+            Ok(Ok(None)) => {
+                return Err(Status::invalid_argument("heartbeat stream without a beat"))
+            }
             Ok(Err(status)) => return Err(status),
             Err(_) => {
                 return Err(Status::deadline_exceeded(
@@ -213,11 +215,10 @@ impl Lighthouse for LighthouseService {
                 ))
             }
         };
-        let checked =
-            validate::protocol_version(first.protocol_version).and_then(|_| {
-                validate::replica_id(&first.replica_id)?;
-                validate::step(first.step)
-            });
+        let checked = validate::protocol_version(first.protocol_version).and_then(|_| {
+            validate::replica_id(&first.replica_id)?;
+            validate::step(first.step)
+        });
         refuse(&self.shared, "invalid", checked)?;
 
         let (events_tx, events_rx) = mpsc::channel(16);
@@ -247,9 +248,12 @@ impl Lighthouse for LighthouseService {
                     Ok(Some(beat)) => {
                         shared.metrics.heartbeats.inc();
                         let ok = validate::step(beat.step).is_ok()
-                            && shared
-                                .lock()
-                                .stream_beat(&replica_id, &beat, stream_id, Instant::now());
+                            && shared.lock().stream_beat(
+                                &replica_id,
+                                &beat,
+                                stream_id,
+                                Instant::now(),
+                            );
                         if !ok {
                             return;
                         }
@@ -258,7 +262,10 @@ impl Lighthouse for LighthouseService {
                         let mut st = shared.lock();
                         if let Some(cause) = st.close_stream(&replica_id, stream_id) {
                             shared.evicted(cause);
-                            tracing::info!(replica_id, "heartbeat stream closed: replica group is dead");
+                            tracing::info!(
+                                replica_id,
+                                "heartbeat stream closed: replica group is dead"
+                            );
                         }
                         shared.evaluate(&mut st, Instant::now());
                         return;

@@ -146,7 +146,8 @@ impl LighthouseState {
         }
         self.next_ticket += 1;
         let ticket = self.next_ticket;
-        self.pending.insert(id.clone(), PendingJoin { ticket, reply });
+        self.pending
+            .insert(id.clone(), PendingJoin { ticket, reply });
         self.joiners.insert(
             id,
             Joiner {
@@ -160,7 +161,11 @@ impl LighthouseState {
 
     /// Withdraws a request that timed out or whose caller went away.
     pub fn leave(&mut self, replica_id: &str, ticket: u64) {
-        if self.pending.get(replica_id).is_some_and(|p| p.ticket == ticket) {
+        if self
+            .pending
+            .get(replica_id)
+            .is_some_and(|p| p.ticket == ticket)
+        {
             self.pending.remove(replica_id);
             self.joiners.remove(replica_id);
         }
@@ -419,7 +424,11 @@ impl LighthouseState {
                 in_quorum: self.previous.as_ref().is_some_and(|q| q.contains(id)),
                 step: r.step,
                 heartbeat_age_ms: now.saturating_duration_since(r.last_beat).as_millis() as u64,
-                peer: r.stream.as_ref().map(|s| s.peer.clone()).unwrap_or_default(),
+                peer: r
+                    .stream
+                    .as_ref()
+                    .map(|s| s.peer.clone())
+                    .unwrap_or_default(),
             })
             .collect();
         replicas.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
@@ -515,7 +524,9 @@ mod tests {
             replies.push(rx);
         }
         s.evaluate(now, 0).expect("quorum");
-        let mut got = replies.into_iter().map(|mut r| r.try_recv().unwrap().unwrap());
+        let mut got = replies
+            .into_iter()
+            .map(|mut r| r.try_recv().unwrap().unwrap());
         got.next().unwrap()
     }
 
@@ -558,12 +569,20 @@ mod tests {
         let mut s = state();
         let _a = open(&mut s, "a", t);
         let (tx, _rx) = mpsc::channel(1);
-        let err = s.open_stream(&beat("a"), "other".into(), tx, t).unwrap_err();
+        let err = s
+            .open_stream(&beat("a"), "other".into(), tx, t)
+            .unwrap_err();
         assert_eq!(err.code(), tonic::Code::AlreadyExists);
-        assert!(err.message().contains("heartbeating from test"), "{}", err.message());
+        assert!(
+            err.message().contains("heartbeating from test"),
+            "{}",
+            err.message()
+        );
         // Once the first one is silent past the timeout, a restarted group may take over.
         let (tx, _rx) = mpsc::channel(1);
-        assert!(s.open_stream(&beat("a"), "new".into(), tx, t + Duration::from_secs(3)).is_ok());
+        assert!(s
+            .open_stream(&beat("a"), "new".into(), tx, t + Duration::from_secs(3))
+            .is_ok());
     }
 
     #[test]

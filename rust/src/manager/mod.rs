@@ -107,7 +107,11 @@ impl Group {
     }
 
     fn decided(&self, step: i64) -> Option<bool> {
-        self.decided.iter().rev().find(|(s, _)| *s == step).map(|(_, c)| *c)
+        self.decided
+            .iter()
+            .rev()
+            .find(|(s, _)| *s == step)
+            .map(|(_, c)| *c)
     }
 }
 
@@ -145,7 +149,10 @@ impl Shared {
                 .map(|r| r.state_address.clone())
                 .collect(),
         };
-        let result = self.lighthouse.quorum(member, last_quorum_id, timeout).await;
+        let result = self
+            .lighthouse
+            .quorum(member, last_quorum_id, timeout)
+            .await;
         let quorum = match result {
             Ok(q) => q,
             Err(e) => {
@@ -169,7 +176,12 @@ impl Shared {
             p.step = gathering.step;
         });
         for (rank, r) in gathering.ranks {
-            let plan = plan::rank_plan(&quorum, &self.options.replica_id, rank, self.options.init_sync);
+            let plan = plan::rank_plan(
+                &quorum,
+                &self.options.replica_id,
+                rank,
+                self.options.init_sync,
+            );
             let _ = r.reply.send(plan);
         }
     }
@@ -223,7 +235,12 @@ impl Manager for ManagerService {
                         req.group_rank,
                         req.step
                     ));
-                    for r in g.gathering.take().into_iter().flat_map(|g| g.ranks.into_values()) {
+                    for r in g
+                        .gathering
+                        .take()
+                        .into_iter()
+                        .flat_map(|g| g.ranks.into_values())
+                    {
                         let _ = r.reply.send(Err(status.clone()));
                     }
                     return Err(status);
@@ -239,9 +256,9 @@ impl Manager for ManagerService {
                 reply,
             };
             if let Some(old) = gathering.ranks.insert(req.group_rank, request) {
-                let _ = old
-                    .reply
-                    .send(Err(Status::aborted("superseded by a newer request from the same rank")));
+                let _ = old.reply.send(Err(Status::aborted(
+                    "superseded by a newer request from the same rank",
+                )));
             }
             if gathering.ranks.len() == world_size as usize {
                 g.gathering.take()
@@ -364,7 +381,9 @@ impl Manager for ManagerService {
 fn advertised_address(options: &ManagerOptions, bound: std::net::SocketAddr) -> String {
     let host = match &options.advertise_host {
         Some(h) if !h.is_empty() => h.clone(),
-        _ if bound.ip().is_unspecified() => gethostname::gethostname().to_string_lossy().into_owned(),
+        _ if bound.ip().is_unspecified() => {
+            gethostname::gethostname().to_string_lossy().into_owned()
+        }
         _ => bound.ip().to_string(),
     };
     if host.contains(':') && !host.starts_with('[') {
@@ -400,8 +419,8 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         progress,
         events: events.clone(),
     });
-    let grpc = ManagerServer::new(ManagerService { shared })
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc =
+        ManagerServer::new(ManagerService { shared }).max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
     let (shutdown, mut stopping) = watch::channel(false);
     let mut handle = server::spawn(listener, Routes::new(grpc), shutdown);
@@ -420,7 +439,11 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
             _ = stopping.wait_for(|s| *s) => {}
         }
     }));
-    tracing::info!(replica_id = options.replica_id, address = manager_address, "manager server listening");
+    tracing::info!(
+        replica_id = options.replica_id,
+        address = manager_address,
+        "manager server listening"
+    );
     Ok(ManagerHandle {
         server: handle,
         address: manager_address,

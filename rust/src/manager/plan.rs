@@ -101,7 +101,11 @@ mod tests {
         assert_eq!(plan.max_step, 10);
         assert_eq!(plan.replica_rank, 2);
         assert_eq!(plan.replica_world_size, 3);
-        let sources: Vec<_> = plan.recovery_sources.iter().map(|s| s.state_address.as_str()).collect();
+        let sources: Vec<_> = plan
+            .recovery_sources
+            .iter()
+            .map(|s| s.state_address.as_str())
+            .collect();
         assert_eq!(sources, ["a-r1:9", "b-r1:9"]);
         assert_eq!(plan.store_address, "a-store:1");
         assert_eq!(plan.store_prefix, "phalanx/q7/r1");
