@@ -232,3 +232,27 @@ class ManagerClient:
 
 def run_lighthouse_cli(argv: list[str]) -> int:
     """`phalanx lighthouse ARGS…`: serves until SIGINT/SIGTERM; returns the exit code."""
+
+def bench_quorum_rounds(
+    address: str,
+    replicas: int,
+    rounds: int,
+    change_every: int = 0,
+    timeout: float = 30.0,
+    token: str | None = None,
+) -> list[tuple[float, bool, int]]:
+    """Benchmark load: `replicas` groups, each on its own connection, ask for `rounds`
+    quorums in lock-step; with `change_every`, an extra group joins or leaves (its
+    heartbeat stream dropped) on every such round. Returns, per round, the seconds from
+    the last request sent to the last answer, whether membership changed, the quorum id."""
+
+def bench_heartbeats(
+    address: str,
+    replicas: int,
+    hz: float,
+    duration: float,
+    connections: int = 64,
+    token: str | None = None,
+) -> int:
+    """Benchmark load: `replicas` heartbeat streams beating `hz` times a second over
+    `connections` connections for `duration` seconds. Returns the beats sent."""

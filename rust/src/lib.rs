@@ -6,6 +6,7 @@ pub mod cli;
 pub mod client;
 mod error;
 pub mod lighthouse;
+pub mod loadgen;
 pub mod manager;
 pub mod proto;
 pub mod quorum;

@@ -617,6 +617,52 @@ fn run_lighthouse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     Ok(0)
 }
 
+/// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
+/// (seconds from the last request to the last answer, membership changed, quorum id)
+/// for each round.
+#[pyfunction]
+#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None))]
+fn bench_quorum_rounds(
+    py: Python<'_>,
+    address: String,
+    replicas: usize,
+    rounds: usize,
+    change_every: usize,
+    timeout: f64,
+    token: Option<String>,
+) -> PyResult<Vec<(f64, bool, u64)>> {
+    let timeout = seconds("timeout", timeout)?;
+    let token = token_of(token);
+    let timings = wait(py, async move {
+        crate::loadgen::quorum_rounds(&address, &token, replicas, rounds, change_every, timeout)
+            .await
+    })?;
+    Ok(timings
+        .into_iter()
+        .map(|t| (t.latency.as_secs_f64(), t.changed, t.quorum_id))
+        .collect())
+}
+
+/// Benchmark load: `replicas` heartbeat streams at `hz` over `connections`
+/// connections for `duration` seconds. Returns the beats sent.
+#[pyfunction]
+#[pyo3(signature = (address, replicas, hz, duration, connections = 64, token = None))]
+fn bench_heartbeats(
+    py: Python<'_>,
+    address: String,
+    replicas: usize,
+    hz: f64,
+    duration: f64,
+    connections: usize,
+    token: Option<String>,
+) -> PyResult<u64> {
+    let duration = seconds("duration", duration)?;
+    let token = token_of(token);
+    wait(py, async move {
+        crate::loadgen::heartbeats(&address, &token, replicas, hz, connections, duration).await
+    })
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -633,5 +679,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LighthouseStatus>()?;
     m.add_class::<ReplicaStatus>()?;
     m.add_function(wrap_pyfunction!(run_lighthouse_cli, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_quorum_rounds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_heartbeats, m)?)?;
     Ok(())
 }

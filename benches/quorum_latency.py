@@ -1,0 +1,55 @@
+"""How long a quorum round takes: every group asks for the next quorum; the time from
+the last request sent to the last answer received.
+
+    python benches/quorum_latency.py --replicas 32
+
+Steady rounds keep the same membership; change rounds have a group join, or leave
+(its heartbeat stream dropped, as on a crash). The lighthouse runs in its own process;
+the groups are driven from Rust, each on its own connection, so the driver's own
+overhead stays out of the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harness import lighthouse_process, percentile, report
+
+from phalanx import _core
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--change-every", type=int, default=10)
+    args = parser.parse_args()
+
+    with lighthouse_process("--join-timeout", "1s", "--heartbeat-timeout", "5s") as (address, _):
+        timings = _core.bench_quorum_rounds(
+            address, args.replicas, args.rounds, change_every=args.change_every
+        )
+    steady = [s * 1e3 for s, changed, _ in timings if not changed]
+    change = [s * 1e3 for s, changed, _ in timings if changed]
+    result = {
+        "bench": "quorum_latency",
+        "replicas": args.replicas,
+        "steady_p50_ms": round(percentile(steady, 50), 3),
+        "steady_p99_ms": round(percentile(steady, 99), 3),
+        "change_p50_ms": round(percentile(change, 50), 3),
+        "rounds": len(timings),
+    }
+    report(
+        f"quorum round, {args.replicas} groups, {len(steady)} steady + {len(change)} change",
+        [
+            ("steady p50 (ms)", result["steady_p50_ms"]),
+            ("steady p99 (ms)", result["steady_p99_ms"]),
+            ("change p50 (ms)", result["change_p50_ms"]),
+            ("change p99 (ms)", round(percentile(change, 99), 3)),
+        ],
+        result,
+    )
+
+
+if __name__ == "__main__":
+    main()

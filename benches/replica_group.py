@@ -1,0 +1,56 @@
+"""One replica group for the benchmarks: a manager server and one rank stepping at a
+fixed pace. Prints one JSON line per event, stamped with wall-clock time:
+
+    {"t": …, "kind": "quorum", "quorum_id": …, "participants": […]}
+    {"t": …, "kind": "lost", "lost": […], "cause": …}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+from phalanx import ManagerClient, ManagerServer
+
+
+def emit(kind: str, **fields: object) -> None:
+    print(json.dumps({"t": time.time(), "kind": kind, **fields}), flush=True)
+
+
+def watch_membership(client: ManagerClient) -> None:
+    while True:
+        event = client.next_event(timeout=1.0)
+        if event is not None:
+            emit("lost", lost=event.lost, cause=event.cause, quorum_id=event.quorum_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--step-interval", type=float, default=0.1)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+
+    server = ManagerServer(args.replica_id, args.lighthouse, heartbeat_interval=0.1)
+    client = ManagerClient(server.address)
+    client.subscribe_events()
+    threading.Thread(target=watch_membership, args=(client,), daemon=True).start()
+    step = 0
+    while True:
+        try:
+            q = client.quorum(0, step, timeout=args.timeout)
+        except (ConnectionError, TimeoutError) as e:
+            emit("error", error=str(e))
+            time.sleep(0.1)
+            continue
+        emit("quorum", quorum_id=q.quorum_id, participants=[m.replica_id for m in q.participants])
+        if client.should_commit(0, step, True, timeout=args.timeout):
+            step += 1
+        time.sleep(args.step_interval)
+
+
+if __name__ == "__main__":
+    main()
