@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-from harness import cpu_seconds, lighthouse_process, metric, percentile, report, stop
-
 from phalanx import _core
+
+from harness import cpu_seconds, lighthouse_process, metric, percentile, report, stop
 
 LOAD = """
 import sys

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from harness import lighthouse_process, percentile, report
-
 from phalanx import _core
+
+from harness import lighthouse_process, percentile, report
 
 
 def main() -> None:
