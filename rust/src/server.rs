@@ -6,8 +6,8 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::service::Routes;
+use tonic::transport::server::TcpIncoming;
 
 use crate::Error;
 
@@ -70,18 +70,17 @@ pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool
     let mut stop = shutdown.subscribe();
     let server = tonic::transport::Server::builder()
         .accept_http1(true)
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .add_routes(routes);
+    // The builder's `tcp_nodelay` does not reach a listener we bound ourselves; without
+    // it, small pushes (membership-loss events) wait ~40 ms for a delayed ACK.
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let task = tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        if let Err(e) = server
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stopped)
-            .await
-        {
+        if let Err(e) = server.serve_with_incoming_shutdown(incoming, stopped).await {
             tracing::error!(%addr, "server stopped: {e}");
         }
     });

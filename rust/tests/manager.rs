@@ -34,7 +34,11 @@ async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
     .expect("lighthouse starts")
 }
 
-async fn start_manager(replica_id: &str, lighthouse_address: &str, world_size: u32) -> ManagerHandle {
+async fn start_manager(
+    replica_id: &str,
+    lighthouse_address: &str,
+    world_size: u32,
+) -> ManagerHandle {
     manager::serve(ManagerOptions {
         replica_id: replica_id.into(),
         lighthouse_address: lighthouse_address.into(),
@@ -52,8 +56,12 @@ async fn start_manager(replica_id: &str, lighthouse_address: &str, world_size: u
 }
 
 fn rank_client(manager: &ManagerHandle) -> ManagerClient {
-    ManagerClient::new(&manager.address, &JobToken::default(), Duration::from_secs(1))
-        .expect("manager client")
+    ManagerClient::new(
+        &manager.address,
+        &JobToken::default(),
+        Duration::from_secs(1),
+    )
+    .expect("manager client")
 }
 
 /// Where rank `rank` of group `group` serves its state (never dialled in these tests).
@@ -64,13 +72,24 @@ fn state_address(group: &str, rank: u32) -> String {
 type Answer<T> = JoinHandle<Result<T, Error>>;
 
 /// One rank asking for the quorum of `step`, in a task of its own as in a real group.
-fn ask(client: &ManagerClient, group: &str, rank: u32, step: i64) -> Answer<proto::ManagerQuorumResponse> {
+fn ask(
+    client: &ManagerClient,
+    group: &str,
+    rank: u32,
+    step: i64,
+) -> Answer<proto::ManagerQuorumResponse> {
     let client = client.clone();
     let state = state_address(group, rank);
     tokio::spawn(async move { client.quorum(rank, step, state, false, CALL_TIMEOUT).await })
 }
 
-fn vote(client: &ManagerClient, rank: u32, step: i64, yes: bool, timeout: Duration) -> Answer<bool> {
+fn vote(
+    client: &ManagerClient,
+    rank: u32,
+    step: i64,
+    yes: bool,
+    timeout: Duration,
+) -> Answer<bool> {
     let client = client.clone();
     tokio::spawn(async move { client.should_commit(rank, step, yes, timeout).await })
 }
@@ -112,7 +131,10 @@ async fn both_ranks_of_a_group_get_their_plan_from_one_quorum() {
         assert!(!plan.heal, "nobody is ahead of the only group");
         assert!(plan.recovery_sources.is_empty());
         assert_eq!(plan.store_address, "g-store:29500");
-        assert_eq!(plan.store_prefix, format!("phalanx/q{}/r{rank}", plan.quorum_id));
+        assert_eq!(
+            plan.store_prefix,
+            format!("phalanx/q{}/r{rank}", plan.quorum_id)
+        );
     }
     // The lighthouse got one member for the group, carrying every rank's state address.
     let me = &p0.participants[..];
@@ -121,7 +143,10 @@ async fn both_ranks_of_a_group_get_their_plan_from_one_quorum() {
     assert_eq!(me[0].manager_address, group.address);
     assert_eq!(me[0].world_size, 2);
     assert_eq!(me[0].step, 4);
-    assert_eq!(me[0].state_addresses, [state_address("g", 0), state_address("g", 1)]);
+    assert_eq!(
+        me[0].state_addresses,
+        [state_address("g", 0), state_address("g", 1)]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +161,12 @@ async fn ranks_that_disagree_on_the_step_are_all_refused_with_both_steps_named()
     let late = ask(&c, "g", 1, 6);
     for (who, task) in [("rank 0", early), ("rank 1", late)] {
         let status = rpc_status(answer(who, task).await);
-        assert_eq!(status.code(), Code::InvalidArgument, "{who}: {}", status.message());
+        assert_eq!(
+            status.code(),
+            Code::InvalidArgument,
+            "{who}: {}",
+            status.message()
+        );
         let message = status.message();
         assert!(
             message.contains("rank 0 at step 5") && message.contains("rank 1 at step 6"),
@@ -160,27 +190,44 @@ async fn the_group_commits_only_when_every_rank_votes_yes() {
 
     let yes = [vote(&c, 0, 1, true, timeout), vote(&c, 1, 1, true, timeout)];
     for task in yes {
-        assert!(answer("both yes", task).await.expect("vote"), "all yes commits");
+        assert!(
+            answer("both yes", task).await.expect("vote"),
+            "all yes commits"
+        );
     }
 
-    let split = [vote(&c, 0, 2, true, timeout), vote(&c, 1, 2, false, timeout)];
+    let split = [
+        vote(&c, 0, 2, true, timeout),
+        vote(&c, 1, 2, false, timeout),
+    ];
     for task in split {
-        assert!(!answer("one no", task).await.expect("vote"), "one no aborts for every rank");
+        assert!(
+            !answer("one no", task).await.expect("vote"),
+            "one no aborts for every rank"
+        );
     }
 
     // Rank 1 never votes on step 3: rank 0 gets "no" at its timeout instead of hanging.
     let short = Duration::from_millis(200);
     let asked = Instant::now();
-    let alone = answer("missing rank", vote(&c, 0, 3, true, short)).await.expect("vote");
+    let alone = answer("missing rank", vote(&c, 0, 3, true, short))
+        .await
+        .expect("vote");
     let waited = asked.elapsed();
+    eprintln!("a lone vote answered after {waited:?}");
     assert!(!alone, "a missing vote is a no");
     assert!(
         waited >= short && waited < short + Duration::from_millis(500),
         "answered after {waited:?}, expected about {short:?}"
     );
     // A rank that votes after the decision gets the same decision, not a new ballot.
-    let straggler = answer("late vote", vote(&c, 1, 3, true, short)).await.expect("vote");
-    assert!(!straggler, "the late rank must not commit a step the group aborted");
+    let straggler = answer("late vote", vote(&c, 1, 3, true, short))
+        .await
+        .expect("vote");
+    assert!(
+        !straggler,
+        "the late rank must not commit a step the group aborted"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,7 +251,10 @@ async fn a_group_behind_heals_from_the_same_rank_of_the_up_to_date_group() {
     let id = plans[0].quorum_id;
     assert!(plans.iter().all(|p| p.quorum_id == id && p.max_step == 10));
     assert!(plans.iter().all(|p| p.replica_world_size == 2));
-    assert!(plans.iter().all(|p| p.store_address == "ahead-store:29500"), "the first participant's store hosts the group");
+    assert!(
+        plans.iter().all(|p| p.store_address == "ahead-store:29500"),
+        "the first participant's store hosts the group"
+    );
 
     for (rank, plan) in [(0u32, &plans[0]), (1, &plans[1])] {
         assert_eq!(plan.replica_rank, 0, "\"ahead\" sorts first");
@@ -238,11 +288,20 @@ async fn with_the_lighthouse_down_a_quorum_fails_at_once_as_a_connection_error()
 
     let asked = Instant::now();
     let timeout = Duration::from_secs(5);
-    let result = bounded("quorum", timeout * 2, c.quorum(0, 0, state_address("g", 0), false, timeout)).await;
+    let result = bounded(
+        "quorum",
+        timeout * 2,
+        c.quorum(0, 0, state_address("g", 0), false, timeout),
+    )
+    .await;
     let waited = asked.elapsed();
     let err = result.expect_err("no lighthouse, no quorum");
+    eprintln!("quorum without a lighthouse failed after {waited:?}: {err}");
     assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
-    assert!(err.message().contains(&nowhere), "the error names the lighthouse address: {err}");
+    assert!(
+        err.message().contains(&nowhere),
+        "the error names the lighthouse address: {err}"
+    );
     assert!(
         waited < Duration::from_secs(1),
         "failed after {waited:?}; a refused connection must not wait for the {timeout:?} timeout"
@@ -273,10 +332,125 @@ async fn a_stopped_group_is_reported_to_the_ranks_of_the_others_within_a_second(
         .expect("events stream healthy")
         .expect("events stream open");
     let after = stopped.elapsed();
+    eprintln!("membership loss relayed after {after:?}");
     let lost = event.membership_lost.expect("a membership loss");
     assert_eq!(lost.lost, ["stops"]);
     assert_eq!(lost.quorum_id, id);
-    assert_eq!(lost.cause, "stream_broken", "a stopped group is a crash, not a hang");
+    assert_eq!(
+        lost.cause, "stream_broken",
+        "a stopped group is a crash, not a hang"
+    );
     assert!(after < Duration::from_secs(1), "relayed after {after:?}");
-    bounded("shutdown", PATIENCE, shutdown).await.expect("shutdown task");
+    bounded("shutdown", PATIENCE, shutdown)
+        .await
+        .expect("shutdown task");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_a_manager_server_ends_its_event_streams_at_once() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 1).await;
+    let mut events = bounded(
+        "subscribe",
+        PATIENCE,
+        rank_client(&group).events(CALL_TIMEOUT),
+    )
+    .await
+    .expect("events stream");
+
+    let stopping = Instant::now();
+    bounded("shutdown", PATIENCE, group.server.shutdown()).await;
+    let end = bounded("events stream ends", PATIENCE, events.message()).await;
+    let took = stopping.elapsed();
+    eprintln!("events stream ended {took:?} after the shutdown began");
+    assert!(!matches!(end, Ok(Some(_))), "got {end:?}");
+    assert!(
+        took < Duration::from_millis(500),
+        "a listening rank learnt after {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_rising() {
+    let first = start_lighthouse(1).await;
+    let addr = first.local_addr();
+    let group = start_manager("g", &addr.to_string(), 1).await;
+    let c = rank_client(&group);
+    let before = answer("quorum", ask(&c, "g", 0, 0))
+        .await
+        .expect("plan")
+        .quorum_id;
+
+    first.shutdown().await;
+    let second = lighthouse::serve(LighthouseOptions {
+        bind: addr.to_string(),
+        min_replicas: 1,
+        join_timeout: Duration::from_millis(200),
+        heartbeat_timeout: Duration::from_millis(500),
+        token: JobToken::default(),
+    })
+    .await
+    .expect("a new lighthouse binds the same port");
+
+    // Without any quorum request, the group's heartbeat finds the new lighthouse.
+    let watcher = phalanx::client::LighthouseClient::new(
+        &addr.to_string(),
+        &JobToken::default(),
+        Duration::from_secs(1),
+    )
+    .expect("client");
+    bounded("heartbeat re-opened", Duration::from_secs(2), async {
+        loop {
+            let status = watcher.status(CALL_TIMEOUT).await.expect("status");
+            if status
+                .replicas
+                .iter()
+                .any(|r| r.replica_id == "g" && r.connected)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+
+    let after = answer("quorum", ask(&c, "g", 0, 1))
+        .await
+        .expect("plan")
+        .quorum_id;
+    assert!(
+        after > before,
+        "quorum id {after} after the restart, {before} before (I3)"
+    );
+    second.shutdown().await;
+}
+
+/// The step counts committed steps, so after a "no" the group retries the same step
+/// number (DESIGN.md §2). The remembered decision of the failed attempt must not
+/// answer the retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_retried_after_an_aborted_commit_can_commit() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
+    let c = rank_client(&group);
+    let timeout = Duration::from_secs(1);
+
+    let attempt = [
+        vote(&c, 0, 7, true, timeout),
+        vote(&c, 1, 7, false, timeout),
+    ];
+    for task in attempt {
+        assert!(!answer("first attempt", task).await.expect("vote"));
+    }
+    // The retry goes through a new quorum, as every step does.
+    let (r0, r1) = (ask(&c, "g", 0, 7), ask(&c, "g", 1, 7));
+    answer("rank 0", r0).await.expect("plan");
+    answer("rank 1", r1).await.expect("plan");
+    let retry = [vote(&c, 0, 7, true, timeout), vote(&c, 1, 7, true, timeout)];
+    for task in retry {
+        assert!(
+            answer("retry", task).await.expect("vote"),
+            "every rank voted yes on the retry"
+        );
+    }
 }

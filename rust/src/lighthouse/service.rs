@@ -99,7 +99,10 @@ impl Shared {
             tokio::select! {
                 _ = sleep => {}
                 _ = self.wake.notified() => {}
-                _ = shutdown.changed() => return,
+                _ = shutdown.changed() => {
+                    self.lock().shut_down();
+                    return;
+                }
             }
         }
     }

@@ -318,6 +318,22 @@ impl LighthouseState {
         }
     }
 
+    /// The lighthouse is stopping: fails every waiting request and ends every heartbeat
+    /// stream now, so that groups re-connect (to a successor) instead of staying
+    /// attached to a server that is gone.
+    pub fn shut_down(&mut self) {
+        let gone = || Status::unavailable("the lighthouse is shutting down");
+        for (_, p) in self.pending.drain() {
+            let _ = p.reply.send(Err(gone()));
+        }
+        self.joiners.clear();
+        for (_, r) in self.replicas.drain() {
+            if let Some(stream) = r.stream {
+                let _ = stream.events.try_send(Err(gone()));
+            }
+        }
+    }
+
     fn decide(&self, now: Instant) -> Decision {
         let live = Fresh {
             replicas: &self.replicas,

@@ -10,9 +10,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::{broadcast, oneshot, watch};
-use tokio_stream::wrappers::BroadcastStream;
-use tokio_stream::{Stream, StreamExt};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 use tonic::{Request, Response, Status};
@@ -189,6 +189,7 @@ impl Shared {
 
 struct ManagerService {
     shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
 }
 
 fn check_rank(rank: u32, world_size: u32) -> Result<(), Status> {
@@ -261,6 +262,10 @@ impl Manager for ManagerService {
                 )));
             }
             if gathering.ranks.len() == world_size as usize {
+                // Every rank is past its last vote: a retried step number starts a new
+                // ballot instead of getting the remembered answer of the failed attempt.
+                g.ballots.clear();
+                g.decided.clear();
                 g.gathering.take()
             } else {
                 None
@@ -366,15 +371,33 @@ impl Manager for ManagerService {
         request: Request<proto::EventsRequest>,
     ) -> Result<Response<Self::EventsStream>, Status> {
         validate::protocol_version(request.into_inner().protocol_version)?;
-        let stream = BroadcastStream::new(self.shared.events.subscribe()).filter_map(|e| {
-            // A lagging listener misses events; they are hints, the next quorum is the truth.
-            e.ok().map(|lost| {
-                Ok(proto::ManagerEvent {
+        let mut events = self.shared.events.subscribe();
+        let mut stopping = self.shutdown.clone();
+        let (tx, rx) = mpsc::channel(16);
+        // Forwards until the listener goes or the server stops: a stopping server ends
+        // the stream, so that its listeners learn at once.
+        tokio::spawn(async move {
+            loop {
+                let lost = tokio::select! {
+                    e = events.recv() => match e {
+                        Ok(lost) => lost,
+                        // A lagging listener misses events; they are hints, the next
+                        // quorum is the truth.
+                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                    _ = stopping.wait_for(|s| *s) => return,
+                    _ = tx.closed() => return,
+                };
+                let event = proto::ManagerEvent {
                     membership_lost: Some(lost),
-                })
-            })
+                };
+                if tx.send(Ok(event)).await.is_err() {
+                    return;
+                }
+            }
         });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
@@ -419,10 +442,13 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         progress,
         events: events.clone(),
     });
-    let grpc =
-        ManagerServer::new(ManagerService { shared }).max_decoding_message_size(MAX_REQUEST_BYTES);
-    let grpc = InterceptedService::new(grpc, options.token.clone());
     let (shutdown, mut stopping) = watch::channel(false);
+    let grpc = ManagerServer::new(ManagerService {
+        shared,
+        shutdown: stopping.clone(),
+    })
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, options.token.clone());
     let mut handle = server::spawn(listener, Routes::new(grpc), shutdown);
     let heartbeat = keep_heartbeat(
         lighthouse,
