@@ -34,8 +34,14 @@ class Group:
     def __init__(self, replica_id: str, lighthouse: str) -> None:
         self.replica_id = replica_id
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "replica_group.py"), "--replica-id", replica_id,
-             "--lighthouse", lighthouse],
+            [
+                sys.executable,
+                str(HERE / "replica_group.py"),
+                "--replica-id",
+                replica_id,
+                "--lighthouse",
+                lighthouse,
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -97,8 +103,12 @@ def main() -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     args = parser.parse_args()
 
-    flags = ("--join-timeout", f"{args.join_timeout}s",
-             "--heartbeat-timeout", f"{args.heartbeat_timeout}s")
+    flags = (
+        "--join-timeout",
+        f"{args.join_timeout}s",
+        "--heartbeat-timeout",
+        f"{args.heartbeat_timeout}s",
+    )
     with lighthouse_process(*flags) as (address, _):
         bound = args.heartbeat_timeout + 10
         crash = [trial(address, signal.SIGKILL, n, bound) for n in range(args.trials)]

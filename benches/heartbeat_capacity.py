@@ -41,8 +41,16 @@ def main() -> None:
     flags = ("--join-timeout", "1s", "--heartbeat-timeout", "5s")
     with lighthouse_process(*flags) as (address, pid):
         load = subprocess.Popen(
-            [sys.executable, "-c", LOAD, address, str(args.replicas), str(args.hz),
-             str(args.seconds), str(args.connections)],
+            [
+                sys.executable,
+                "-c",
+                LOAD,
+                address,
+                str(args.replicas),
+                str(args.hz),
+                str(args.seconds),
+                str(args.connections),
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -54,12 +62,18 @@ def main() -> None:
                     raise TimeoutError("the load did not open its streams in time")
                 time.sleep(0.2)
             time.sleep(1.0)
-            beats0, cpu0, t0 = metric(address, "phalanx_lighthouse_heartbeats_total"), \
-                cpu_seconds(pid), time.monotonic()
+            beats0, cpu0, t0 = (
+                metric(address, "phalanx_lighthouse_heartbeats_total"),
+                cpu_seconds(pid),
+                time.monotonic(),
+            )
             timings = _core.bench_quorum_rounds(address, args.quorum_groups, args.rounds)
             time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
-            beats1, cpu1, t1 = metric(address, "phalanx_lighthouse_heartbeats_total"), \
-                cpu_seconds(pid), time.monotonic()
+            beats1, cpu1, t1 = (
+                metric(address, "phalanx_lighthouse_heartbeats_total"),
+                cpu_seconds(pid),
+                time.monotonic(),
+            )
             live = metric(address, "phalanx_lighthouse_live_replicas")
             load.wait(args.seconds + 30)
         finally:

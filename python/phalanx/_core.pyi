@@ -87,7 +87,7 @@ class MembershipLost:
     def lost(self) -> list[str]: ...
     @property
     def cause(self) -> str:
-        """"stream_broken" (process gone) or "heartbeat_timeout" (hung)."""
+        """ "stream_broken" (process gone) or "heartbeat_timeout" (hung)."""
 
 class ReplicaStatus:
     @property

@@ -1,7 +1,7 @@
 """The `phalanx` command.
 
-    phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
-                       [--heartbeat-timeout 2s] [--token TOKEN]
+phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
+                   [--heartbeat-timeout 2s] [--token TOKEN]
 """
 
 from __future__ import annotations

@@ -69,6 +69,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Serves until SIGINT or SIGTERM, then shuts down cleanly.
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
     let handle = lighthouse::serve(args.options()).await?;
+    // Listen for the signals before announcing the address: a supervisor may signal
+    // as soon as it reads the line, and a signal before this would kill the process
+    // (SIGTERM) or be lost (SIGINT).
+    let stop = shutdown_signal();
     let addr = handle.local_addr();
     let shown = if addr.ip().is_unspecified() {
         format!(
@@ -80,23 +84,32 @@ pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
         addr.to_string()
     };
     println!("phalanx lighthouse listening on {addr}; status page: http://{shown}/");
-    wait_for_signal().await;
+    stop.await;
     println!("phalanx lighthouse shutting down");
     handle.shutdown().await;
     Ok(())
 }
 
-async fn wait_for_signal() {
+/// Registers the SIGINT and SIGTERM handlers now; the returned future ends at the
+/// first of them.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+    let interrupt = signal(SignalKind::interrupt());
+    let terminate = signal(SignalKind::terminate());
+    async move {
+        match (interrupt, terminate) {
+            (Ok(mut interrupt), Ok(mut terminate)) => {
+                tokio::select! {
+                    _ = interrupt.recv() => {}
+                    _ = terminate.recv() => {}
+                }
             }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
+            (Ok(mut only), Err(_)) | (Err(_), Ok(mut only)) => {
+                only.recv().await;
+            }
+            (Err(_), Err(_)) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
         }
     }
 }

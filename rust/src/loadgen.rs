@@ -90,7 +90,7 @@ pub async fn quorum_rounds(
                     let q = client.quorum(member(id), 0, timeout).await?;
                     Ok::<_, Error>((None, Instant::now(), q.quorum_id))
                 }));
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                wait_until_joined(&clients[0], "extra", timeout).await?;
                 continue;
             }
             tasks.push(tokio::spawn(async move {
@@ -123,6 +123,31 @@ pub async fn quorum_rounds(
     }
     drop(extra_stream);
     Ok(timings)
+}
+
+/// Waits until the lighthouse lists `replica_id` as asking for the next quorum.
+async fn wait_until_joined(
+    client: &LighthouseClient,
+    replica_id: &str,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = client.status(timeout).await?;
+        if status
+            .replicas
+            .iter()
+            .any(|r| r.replica_id == replica_id && r.joined)
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Rpc(tonic::Status::deadline_exceeded(format!(
+                "{replica_id} never showed up as joined"
+            ))));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// Keeps `replicas` heartbeat streams open, each beating `hz` times a second, over

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{
-    PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
+    PyConnectionError, PyKeyboardInterrupt, PyPermissionError, PyRuntimeError, PyTimeoutError,
+    PyValueError,
 };
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
@@ -66,6 +67,15 @@ fn wait<T: Send>(
             Err(_) => py.check_signals()?,
         }
     }
+}
+
+/// A count or id from Python, checked into the unsigned type the core uses.
+fn unsigned<T: TryFrom<i64>>(name: &str, value: i64) -> PyResult<T> {
+    T::try_from(value).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be 0 or more (and fit the wire), got {value}"
+        ))
+    })
 }
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -231,14 +241,14 @@ impl LighthouseServer {
     fn new(
         py: Python<'_>,
         bind: &str,
-        min_replicas: usize,
+        min_replicas: i64,
         join_timeout: f64,
         heartbeat_timeout: f64,
         token: Option<String>,
     ) -> PyResult<Self> {
         let options = LighthouseOptions {
             bind: bind.to_string(),
-            min_replicas,
+            min_replicas: unsigned("min_replicas", min_replicas)?,
             join_timeout: seconds("join_timeout", join_timeout)?,
             heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
             token: JobToken::new(token),
@@ -327,13 +337,13 @@ impl LighthouseClient {
         replica_id: String,
         timeout: f64,
         step: i64,
-        world_size: u32,
+        world_size: i64,
         manager_address: String,
         store_address: String,
         state_addresses: Vec<String>,
         shrink_only: bool,
-        commit_failures: u32,
-        last_quorum_id: u64,
+        commit_failures: i64,
+        last_quorum_id: i64,
     ) -> PyResult<Quorum> {
         let timeout = seconds("timeout", timeout)?;
         let member = proto::Member {
@@ -341,11 +351,12 @@ impl LighthouseClient {
             manager_address,
             store_address,
             step,
-            world_size,
+            world_size: unsigned("world_size", world_size)?,
             shrink_only,
-            commit_failures,
+            commit_failures: unsigned("commit_failures", commit_failures)?,
             state_addresses,
         };
+        let last_quorum_id = unsigned("last_quorum_id", last_quorum_id)?;
         let client = self.inner.clone();
         let q = wait(py, async move {
             client.quorum(member, last_quorum_id, timeout).await
@@ -405,7 +416,7 @@ impl ManagerServer {
         py: Python<'_>,
         replica_id: String,
         lighthouse_address: String,
-        world_size: u32,
+        world_size: i64,
         bind: &str,
         store_address: String,
         advertise_host: Option<String>,
@@ -420,7 +431,7 @@ impl ManagerServer {
             bind: bind.to_string(),
             advertise_host,
             store_address,
-            world_size,
+            world_size: unsigned("world_size", world_size)?,
             heartbeat_interval: seconds("heartbeat_interval", heartbeat_interval)?,
             connect_timeout: seconds("connect_timeout", connect_timeout)?,
             init_sync,
@@ -493,13 +504,14 @@ impl ManagerClient {
     fn quorum(
         &self,
         py: Python<'_>,
-        group_rank: u32,
+        group_rank: i64,
         step: i64,
         timeout: f64,
         state_address: String,
         shrink_only: bool,
     ) -> PyResult<QuorumResult> {
         let timeout = seconds("timeout", timeout)?;
+        let group_rank = unsigned("group_rank", group_rank)?;
         let client = self.inner.clone();
         let r = wait(py, async move {
             client
@@ -530,12 +542,13 @@ impl ManagerClient {
     fn should_commit(
         &self,
         py: Python<'_>,
-        group_rank: u32,
+        group_rank: i64,
         step: i64,
         vote: bool,
         timeout: f64,
     ) -> PyResult<bool> {
         let timeout = seconds("timeout", timeout)?;
+        let group_rank = unsigned("group_rank", group_rank)?;
         let client = self.inner.clone();
         wait(py, async move {
             client.should_commit(group_rank, step, vote, timeout).await
@@ -581,10 +594,10 @@ impl ManagerClient {
         };
         let event = wait(py, async move {
             let mut rx = events.lock().await;
-            Ok(match tokio::time::timeout(wait_for, rx.recv()).await {
-                Ok(event) => event,
-                Err(_) => None,
-            })
+            // Elapsed: no event within the timeout.
+            Ok(tokio::time::timeout(wait_for, rx.recv())
+                .await
+                .unwrap_or_default())
         })?;
         Ok(event.map(Into::into))
     }
@@ -612,9 +625,22 @@ fn run_lighthouse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
             return Ok(code);
         }
     };
-    py.detach(|| runtime().block_on(crate::cli::run_lighthouse(args)))
-        .map_err(to_py)?;
-    Ok(0)
+    let served = py.detach(|| runtime().block_on(crate::cli::run_lighthouse(args)));
+    // A SIGINT that stopped the lighthouse also reached Python's own handler; it has
+    // been acted on, so it must not come back as a KeyboardInterrupt traceback.
+    if let Err(e) = py.check_signals() {
+        if !e.is_instance_of::<PyKeyboardInterrupt>(py) {
+            return Err(e);
+        }
+    }
+    // Like the standalone binary: a line that says what to fix, not a traceback.
+    match served {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            eprintln!("phalanx lighthouse: {e}");
+            Ok(1)
+        }
+    }
 }
 
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns

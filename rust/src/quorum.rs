@@ -128,6 +128,10 @@ pub enum WaitReason {
     GatheringFirstQuorum {
         missing: Vec<ReplicaId>,
     },
+    /// The lighthouse restarted: giving every group the join timeout to re-connect.
+    RejoiningAfterRestart {
+        missing: Vec<ReplicaId>,
+    },
     /// Live members of the previous quorum that have not rejoined yet.
     LateMembers {
         missing: Vec<ReplicaId>,
@@ -153,6 +157,16 @@ impl fmt::Display for WaitReason {
             WaitReason::GatheringFirstQuorum { missing } => write!(
                 f,
                 "first quorum: waiting up to the join timeout for live groups that have not asked yet: {}",
+                name_list(missing)
+            ),
+            WaitReason::RejoiningAfterRestart { missing } if missing.is_empty() => write!(
+                f,
+                "the lighthouse restarted: waiting out the join timeout for groups re-connecting"
+            ),
+            WaitReason::RejoiningAfterRestart { missing } => write!(
+                f,
+                "the lighthouse restarted: waiting out the join timeout for groups re-connecting; \
+                 live but not asking yet: {}",
                 name_list(missing)
             ),
             WaitReason::LateMembers { missing } => write!(
@@ -254,6 +268,17 @@ pub fn decide(round: &Round<'_>) -> Decision {
         }
     };
     let deadline = first_join + config.join_timeout;
+    // A fresh lighthouse that hears of earlier quorums was restarted: the other groups
+    // are re-connecting right now, so its first quorum waits the whole join timeout
+    // rather than let the quickest group go on alone.
+    let restarted =
+        previous.is_none() && (highest_seen_id > 0 || joined.iter().any(|j| j.last_quorum_id > 0));
+    if restarted && now < deadline {
+        return Decision::Wait {
+            until: Some(deadline),
+            reason: WaitReason::RejoiningAfterRestart { missing },
+        };
+    }
     if !missing.is_empty() && now < deadline {
         let reason = match previous {
             Some(_) => WaitReason::LateMembers { missing },
@@ -562,6 +587,22 @@ mod tests {
         s.join_at("a", 0);
         s.join_at("b", 0);
         s.joiners.get_mut("b").unwrap().last_quorum_id = 41;
-        assert_eq!(s.issue_at(0).id, 42);
+        assert_eq!(s.issue_at(1000).id, 42);
+    }
+
+    #[test]
+    fn a_restarted_lighthouse_waits_the_join_timeout_before_its_first_quorum() {
+        let mut s = Scene::new(&["a"]);
+        s.join_at("a", 0);
+        s.joiners.get_mut("a").unwrap().last_quorum_id = 7;
+        assert_eq!(
+            s.decide_at(10),
+            Decision::Wait {
+                until: Some(s.t0 + Duration::from_secs(1)),
+                reason: WaitReason::RejoiningAfterRestart { missing: vec![] },
+            }
+        );
+        s.join_at("b", 500);
+        assert_eq!(ids(&s.issue_at(1000)), ["a", "b"]);
     }
 }

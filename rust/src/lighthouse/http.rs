@@ -21,6 +21,8 @@ pub(crate) fn router(shared: Arc<Shared>, token: JobToken) -> Router {
         .route("/", get(|| async { Html(STATUS_PAGE) }))
         .route("/status", get(status))
         .route("/metrics", get(metrics))
+        // gRPC calls are POSTs to their own, more specific routes; any other page is 404.
+        .route("/{*path}", get(not_found))
         .with_state(shared)
         .layer(middleware::from_fn_with_state(token, require_token))
 }
@@ -44,6 +46,13 @@ async fn require_token(State(token): State<JobToken>, request: Request, next: Ne
         )
             .into_response()
     }
+}
+
+async fn not_found() -> impl IntoResponse {
+    (
+        StatusCode::NOT_FOUND,
+        "no such page: the lighthouse serves /, /status and /metrics\n",
+    )
 }
 
 async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {

@@ -82,6 +82,9 @@ impl Shared {
             let next = {
                 let mut st = self.lock();
                 let now = Instant::now();
+                // This task is awake: what it schedules below must not wake it again
+                // (a stored permit would make an idle lighthouse spin on a core).
+                st.ticker_deadline = Some(now);
                 for (_, cause) in st.expire(now) {
                     self.evicted(cause);
                 }

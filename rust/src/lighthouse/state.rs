@@ -609,7 +609,12 @@ mod tests {
         b.last_quorum_id = 17;
         let (tx, _rx) = mpsc::channel(1);
         s.open_stream(&b, "p".into(), tx, t).unwrap();
-        assert_eq!(form_quorum(&mut s, &["a"], t).quorum_id, 18);
+        let (reply, mut answer) = oneshot::channel();
+        s.join(member("a"), 0, t, reply).unwrap();
+        // Having heard of quorum 17, it gives re-connecting groups the join timeout.
+        assert!(s.evaluate(t, 0).is_none());
+        assert!(s.evaluate(t + Duration::from_secs(1), 0).is_some());
+        assert_eq!(answer.try_recv().unwrap().unwrap().quorum_id, 18);
     }
 
     #[test]

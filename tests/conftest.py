@@ -1,0 +1,268 @@
+"""Fixtures shared by the binding tests: free ports, an in-process lighthouse, and
+real child processes (replica groups, a lighthouse) whose output lines are read with
+a deadline and which are always reaped, even when a test fails half-way."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import phalanx
+
+TESTS = Path(__file__).resolve().parent
+GROUP_PROCESS = TESTS / "group_process.py"
+
+# Short enough that a failure is seen in well under a second, long enough for 2 cores.
+JOIN_TIMEOUT = 0.2
+HEARTBEAT_TIMEOUT = 1.0
+HEARTBEAT_INTERVAL = 0.05
+STEP_INTERVAL = 0.05
+
+
+def free_port() -> int:
+    """A loopback port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment for child processes: unbuffered, and free of any PHALANX_*
+    setting of the machine running the tests (the CLI reads those as defaults)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def http_get(url: str, token: str | None = None, timeout: float = 5.0) -> tuple[int, str]:
+    """GET `url`; returns (status, body) for any status, 401 included."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> object:
+    """Polls `condition` until it is truthy; fails the test with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process `pid` has used so far; Linux only."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Child:
+    """A child process whose stdout lines are collected by a reader thread.
+
+    Lines that parse as JSON objects are kept as dicts, others as {"text": line}.
+    Every wait is bounded; `close()` reaps the process whatever state it is in.
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**child_env(), **(env or {})},
+            cwd=TESTS.parent,
+        )
+        self.pid = self.proc.pid
+        self.stopped = False
+        self.lines: list[dict] = []
+        self.stderr: list[str] = []
+        self._new: queue.Queue[dict] = queue.Queue()
+        self._readers = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read_stdout(self) -> None:
+        for raw in self.proc.stdout:
+            raw = raw.rstrip("\n")
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                line = None
+            if not isinstance(line, dict):
+                line = {"text": raw}
+            line["read_at"] = time.time()
+            self.lines.append(line)
+            self._new.put(line)
+
+    def _read_stderr(self) -> None:
+        for raw in self.proc.stderr:
+            self.stderr.append(raw.rstrip("\n"))
+
+    def expect(self, predicate: Callable[[dict], bool], timeout: float, what: str) -> dict:
+        """The next line (not seen by an earlier `expect`) that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"{self.name}: no line within {timeout} s: {what}\n{self.describe()}")
+            try:
+                line = self._new.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                if self.proc.poll() is not None and self._new.empty():
+                    self._readers[0].join(timeout=1.0)
+                    if self._new.empty():
+                        pytest.fail(
+                            f"{self.name} exited ({self.proc.returncode}) while waiting for: "
+                            f"{what}\n{self.describe()}"
+                        )
+                continue
+            if predicate(line):
+                return line
+
+    def signal(self, signum: int) -> None:
+        """Sends `signum` to this child (and only to it)."""
+        os.kill(self.pid, signum)
+        if signum == signal.SIGSTOP:
+            self.stopped = True
+        elif signum == signal.SIGCONT:
+            self.stopped = False
+
+    def wait(self, timeout: float) -> int:
+        """Waits for the exit, then for the last output lines to be read."""
+        code = self.proc.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+    def describe(self, last: int = 15) -> str:
+        out = "\n".join(json.dumps(line) for line in self.lines[-last:])
+        err = "\n".join(self.stderr[-last:])
+        return f"--- {self.name} stdout (last {last}) ---\n{out}\n--- stderr ---\n{err}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            if self.stopped:
+                os.kill(self.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        for reader in self._readers:
+            reader.join(timeout=5)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Child]]:
+    """Starts child processes; every one is killed and reaped when the test ends."""
+    children: list[Child] = []
+
+    def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        child = Child(name, argv, env)
+        children.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in children:
+            child.close()
+
+
+@pytest.fixture
+def start_group(spawn: Callable[..., Child]) -> Callable[..., Child]:
+    """Starts tests/group_process.py: one replica group (W=1) stepping in a loop."""
+
+    def start(replica_id: str, lighthouse_address: str, *extra: str) -> Child:
+        argv = [
+            sys.executable,
+            str(GROUP_PROCESS),
+            "--replica-id",
+            replica_id,
+            "--lighthouse",
+            lighthouse_address,
+            "--step-interval",
+            str(STEP_INTERVAL),
+            "--heartbeat-interval",
+            str(HEARTBEAT_INTERVAL),
+            *extra,
+        ]
+        return spawn(replica_id, argv)
+
+    return start
+
+
+@pytest.fixture
+def start_lighthouse_cli(spawn: Callable[..., Child]) -> Callable[..., tuple[Child, str]]:
+    """Starts `python -m phalanx lighthouse`; returns the child and the address it printed."""
+
+    def start(
+        bind: str = "127.0.0.1:0", *extra: str, env: dict[str, str] | None = None
+    ) -> tuple[Child, str]:
+        argv = [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "lighthouse",
+            "--bind",
+            bind,
+            "--join-timeout",
+            f"{JOIN_TIMEOUT}s",
+            "--heartbeat-timeout",
+            f"{HEARTBEAT_TIMEOUT}s",
+            *extra,
+        ]
+        child = spawn(f"lighthouse({bind})", argv, env)
+        line = child.expect(
+            lambda line: "listening on" in line.get("text", ""), 10.0, "the listening line"
+        )
+        address = line["text"].split("listening on ", 1)[1].split(";", 1)[0]
+        return child, address
+
+    return start
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[phalanx.LighthouseServer]:
+    """A lighthouse served from the test process, with short timeouts."""
+    with phalanx.LighthouseServer(
+        bind="127.0.0.1:0",
+        join_timeout=JOIN_TIMEOUT,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+    ) as server:
+        yield server
+
+
+def is_step(line: dict, participants: list[str] | None = None) -> bool:
+    """A committed step line, with exactly `participants` when given."""
+    return (
+        line.get("event") == "step"
+        and line["committed"]
+        and (participants is None or line["participants"] == participants)
+    )

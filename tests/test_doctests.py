@@ -1,0 +1,16 @@
+"""The examples in the docstrings run and say what they show."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import phalanx
+import phalanx.cli
+
+
+@pytest.mark.parametrize("module", [phalanx, phalanx.cli], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, report=True)
+    assert result.failed == 0

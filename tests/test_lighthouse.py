@@ -1,0 +1,195 @@
+"""The lighthouse through its Python bindings and its HTTP pages, in this process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import phalanx
+from conftest import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, http_get, wait_until
+
+
+class Asking(threading.Thread):
+    """A quorum request in a background thread; its error, if any, lands in `errors`."""
+
+    def __init__(self, client: phalanx.LighthouseClient, replica_id: str, **kwargs) -> None:
+        super().__init__(daemon=True)
+        self.call = lambda: client.quorum(replica_id, **kwargs)
+        self.errors: list[Exception] = []
+
+    def run(self) -> None:
+        try:
+            self.call()
+        except Exception as e:  # noqa: BLE001 - the test checks what it was
+            self.errors.append(e)
+
+
+def ask_in_background(client, replica_id, **kwargs) -> Asking:
+    asking = Asking(client, replica_id, **kwargs)
+    asking.start()
+    return asking
+
+
+def test_a_single_group_gets_a_quorum_of_itself(lighthouse):
+    client = phalanx.LighthouseClient(lighthouse.address)
+
+    quorum = client.quorum(
+        "a", timeout=5.0, step=7, manager_address="127.0.0.1:1", state_addresses=["127.0.0.1:2"]
+    )
+
+    assert quorum.quorum_id == 1
+    [member] = quorum.participants
+    assert (member.replica_id, member.step, member.world_size) == ("a", 7, 1)
+    assert member.manager_address == "127.0.0.1:1"
+    assert member.state_addresses == ["127.0.0.1:2"]
+    assert abs(quorum.issued_at_unix_ms / 1000 - time.time()) < 60
+    assert lighthouse.status_url == f"http://{lighthouse.address}/"
+
+
+def test_groups_asking_together_share_one_quorum_ordered_by_replica_id():
+    names = ["c", "a", "b"]
+    with phalanx.LighthouseServer(min_replicas=len(names)) as lighthouse:
+        client = phalanx.LighthouseClient(lighthouse.address)
+
+        with ThreadPoolExecutor(len(names)) as pool:
+            quorums = list(pool.map(lambda name: client.quorum(name, timeout=5.0), names))
+
+    assert len({q.quorum_id for q in quorums}) == 1
+    for q in quorums:
+        assert [m.replica_id for m in q.participants] == ["a", "b", "c"]
+
+
+def test_the_quorum_id_stays_for_an_unchanged_quorum_and_moves_up_on_commit_failures(
+    lighthouse,
+):
+    client = phalanx.LighthouseClient(lighthouse.address)
+
+    first = client.quorum("a", timeout=5.0)
+    same = client.quorum("a", timeout=5.0, step=1, last_quorum_id=first.quorum_id)
+    failed = client.quorum("a", timeout=5.0, step=1, commit_failures=1)
+
+    assert same.quorum_id == first.quorum_id
+    assert failed.quorum_id == first.quorum_id + 1
+
+
+def test_a_fresh_lighthouse_continues_above_the_ids_the_groups_report(lighthouse):
+    # I3: the lighthouse keeps no state; the groups tell a restarted one where it was.
+    client = phalanx.LighthouseClient(lighthouse.address)
+
+    quorum = client.quorum("a", timeout=5.0, last_quorum_id=41)
+
+    assert quorum.quorum_id == 42
+
+
+def test_a_quorum_that_cannot_form_times_out_and_says_why():
+    with phalanx.LighthouseServer(min_replicas=2, join_timeout=JOIN_TIMEOUT) as lighthouse:
+        client = phalanx.LighthouseClient(lighthouse.address)
+        started = time.monotonic()
+
+        with pytest.raises(TimeoutError, match="at least 2 needed"):
+            client.quorum("a", timeout=0.3)
+
+        assert time.monotonic() - started < 2.0
+        # The request was withdrawn: nobody is left waiting.
+        status = client.status(timeout=2.0)
+        assert status.waiting_for == ""
+        assert [r.joined for r in status.replicas] == [False]
+
+
+def test_a_second_group_with_the_same_replica_id_is_refused_with_the_conflict_named():
+    with phalanx.LighthouseServer(min_replicas=2, join_timeout=JOIN_TIMEOUT) as lighthouse:
+        client = phalanx.LighthouseClient(lighthouse.address)
+        first = ask_in_background(client, "a", timeout=0.5, manager_address="host-1:1")
+        wait_until(lambda: client.status(timeout=1.0).waiting_for, 2.0, "the first request waiting")
+
+        with pytest.raises(ValueError, match="already asking for a quorum from manager host-1:1"):
+            client.quorum("a", timeout=1.0, manager_address="host-2:1")
+
+        first.join(timeout=5.0)
+        assert [type(e) for e in first.errors] == [TimeoutError]
+
+
+def test_status_reports_the_quorum_members_and_the_configuration(lighthouse):
+    client = phalanx.LighthouseClient(lighthouse.address)
+    client.quorum("a", timeout=5.0, step=3)
+
+    status = client.status(timeout=2.0)
+
+    assert status.quorum_id == 1
+    assert status.quorum_members == ["a"]
+    assert status.quorums_issued == 1
+    assert status.min_replicas == 1
+    assert status.join_timeout_ms == int(JOIN_TIMEOUT * 1000)
+    assert status.heartbeat_timeout_ms == int(HEARTBEAT_TIMEOUT * 1000)
+    [replica] = status.replicas
+    assert (replica.replica_id, replica.in_quorum, replica.step) == ("a", True, 3)
+    assert not replica.connected  # a plain client keeps no heartbeat stream
+    assert 0 <= replica.heartbeat_age_ms < 5000
+    assert status.uptime_ms >= 0
+
+
+def test_the_status_page_json_and_metrics_are_served_on_the_same_port(lighthouse):
+    phalanx.LighthouseClient(lighthouse.address).quorum("a", timeout=5.0)
+
+    code, page = http_get(lighthouse.status_url)
+    assert code == 200
+    assert "<title>phalanx lighthouse</title>" in page
+
+    code, body = http_get(f"http://{lighthouse.address}/status")
+    assert code == 200
+    status = json.loads(body)
+    assert status["quorum_id"] == 1
+    assert status["quorum_members"] == ["a"]
+    assert status["replicas"][0]["replica_id"] == "a"
+
+    code, metrics = http_get(f"http://{lighthouse.address}/metrics")
+    assert code == 200
+    assert "phalanx_lighthouse_quorum_id 1\n" in metrics
+    assert "phalanx_lighthouse_quorums_issued_total 1\n" in metrics
+
+    code, body = http_get(f"http://{lighthouse.address}/no-such-page")
+    assert code == 404
+    assert "/status" in body
+
+
+def test_a_waiting_request_ends_promptly_when_the_lighthouse_shuts_down():
+    lighthouse = phalanx.LighthouseServer(min_replicas=2, join_timeout=JOIN_TIMEOUT)
+    client = phalanx.LighthouseClient(lighthouse.address)
+    waiting = ask_in_background(client, "a", timeout=10.0)
+    wait_until(lambda: client.status(timeout=1.0).waiting_for, 2.0, "the request waiting")
+
+    started = time.monotonic()
+    lighthouse.shutdown()
+    waiting.join(timeout=5.0)
+
+    assert not waiting.is_alive()
+    assert time.monotonic() - started < 3.0
+    assert [type(e) for e in waiting.errors] == [ConnectionError], waiting.errors
+    lighthouse.shutdown()  # idempotent
+
+
+def test_an_unreachable_lighthouse_is_a_connection_error_within_the_deadline():
+    with phalanx.LighthouseServer() as lighthouse:
+        address = lighthouse.address
+    client = phalanx.LighthouseClient(address, connect_timeout=0.5)
+    started = time.monotonic()
+
+    with pytest.raises(ConnectionError, match=f"cannot reach lighthouse at {address}"):
+        client.quorum("a", timeout=1.0)
+
+    assert time.monotonic() - started < 3.0
+
+
+def test_bad_server_settings_are_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="join_timeout"):
+        phalanx.LighthouseServer(join_timeout=0)
+    with pytest.raises(ValueError, match="min-replicas"):
+        phalanx.LighthouseServer(min_replicas=0)
+    with pytest.raises(ValueError, match="heartbeat-timeout"):
+        phalanx.LighthouseServer(heartbeat_timeout=0.001)
+    with phalanx.LighthouseServer() as taken, pytest.raises(ConnectionError, match="cannot listen"):
+        phalanx.LighthouseServer(bind=taken.address)

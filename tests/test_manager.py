@@ -1,0 +1,210 @@
+"""A replica group's manager server with its ranks: the ranks of a W=2 group run as
+threads of this process, each with its own ManagerClient, as rank processes would."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import phalanx
+from conftest import HEARTBEAT_INTERVAL
+
+
+def together(*calls: Callable[[], object]) -> list[object]:
+    """Runs `calls` at the same time, as the ranks of a group do; returns their results."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result(timeout=10.0) for f in futures]
+
+
+@pytest.fixture
+def group(lighthouse) -> Iterator[tuple[phalanx.ManagerClient, phalanx.ManagerClient]]:
+    """Replica group "g" of two ranks: the clients of rank 0 and rank 1."""
+    with phalanx.ManagerServer(
+        "g", lighthouse.address, world_size=2, heartbeat_interval=HEARTBEAT_INTERVAL
+    ) as server:
+        yield phalanx.ManagerClient(server.address), phalanx.ManagerClient(server.address)
+
+
+def both_ask(group, step: int) -> list[phalanx.QuorumResult]:
+    rank0, rank1 = group
+    return together(
+        lambda: rank0.quorum(0, step, timeout=5.0, state_address="127.0.0.1:1000"),
+        lambda: rank1.quorum(1, step, timeout=5.0, state_address="127.0.0.1:1001"),
+    )
+
+
+def test_the_ranks_of_a_group_get_one_quorum_and_commit_together(group):
+    rank0, rank1 = group
+
+    r0, r1 = both_ask(group, step=0)
+
+    assert r0.quorum_id == r1.quorum_id
+    assert (r0.replica_rank, r0.replica_world_size) == (0, 1)
+    assert (r0.store_prefix, r1.store_prefix) == (
+        f"phalanx/q{r0.quorum_id}/r0",
+        f"phalanx/q{r0.quorum_id}/r1",
+    )
+    [member] = r0.participants
+    assert (member.replica_id, member.world_size) == ("g", 2)
+    assert member.state_addresses == ["127.0.0.1:1000", "127.0.0.1:1001"]
+    assert not r0.heal and r0.recovery_sources == []
+
+    votes = together(
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+    )
+    assert votes == [True, True]
+
+
+def test_one_rank_voting_no_fails_the_step_for_every_rank(group):
+    # I2: the group commits only if every rank voted yes.
+    rank0, rank1 = group
+    both_ask(group, step=0)
+
+    votes = together(
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
+        lambda: rank1.should_commit(1, 0, False, timeout=5.0),
+    )
+
+    assert votes == [False, False]
+
+
+def test_a_rank_that_never_votes_means_no_after_the_timeout(group):
+    # I2 and I6: no commit without every vote, and no hang waiting for it.
+    rank0, rank1 = group
+    both_ask(group, step=0)
+    started = time.monotonic()
+
+    assert rank0.should_commit(0, 0, True, timeout=0.3) is False
+
+    waited = time.monotonic() - started
+    assert 0.25 < waited < 2.0, waited
+    # A vote that comes too late gets the decision already taken, not a second one.
+    assert rank1.should_commit(1, 0, True, timeout=5.0) is False
+
+
+def test_a_failed_step_can_be_retried_under_the_next_quorum(group):
+    # A step that failed is not committed and the loop tries the same step again,
+    # under a new quorum: the old "no" must not stick to the step number.
+    rank0, rank1 = group
+    first = both_ask(group, step=0)
+    together(
+        lambda: rank0.should_commit(0, 0, False, timeout=5.0),
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+    )
+
+    again = both_ask(group, step=0)
+    votes = together(
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+    )
+
+    assert len({r.quorum_id for r in again}) == 1
+    assert again[0].quorum_id > first[0].quorum_id  # the failure moved the id up
+    assert votes == [True, True]
+
+
+def test_a_rank_that_never_asks_for_the_quorum_is_named_in_the_timeout(group):
+    rank0, _ = group
+    started = time.monotonic()
+
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of the group did not ask"):
+        rank0.quorum(0, 0, timeout=0.3)
+
+    assert time.monotonic() - started < 2.0
+
+
+def test_ranks_that_disagree_on_the_step_are_told_so(group):
+    rank0, rank1 = group
+
+    def ask(client, rank, step):
+        try:
+            client.quorum(rank, step, timeout=2.0)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    first = ThreadPoolExecutor(1)
+    try:
+        waiting = first.submit(ask, rank0, 0, 3)
+        time.sleep(0.2)  # let rank 0 be the one waiting
+        late = ask(rank1, 1, 4)
+        early = waiting.result(timeout=5.0)
+    finally:
+        first.shutdown()
+
+    for message in (early, late):
+        assert "disagree on the step" in message
+        assert "rank 0 at step 3" in message and "rank 1 at step 4" in message
+
+
+def test_malformed_rank_requests_are_refused_and_the_server_keeps_serving(group):
+    rank0, _ = group
+    with pytest.raises(ValueError, match="group rank 2 is out of range for a group of 2"):
+        rank0.quorum(2, 0, timeout=1.0)
+    with pytest.raises(ValueError, match="step -1 is negative"):
+        rank0.quorum(0, -1, timeout=1.0)
+    with pytest.raises(ValueError, match="state address"):
+        rank0.quorum(0, 0, timeout=1.0, state_address="host 1:2")
+    with pytest.raises(ValueError, match="group rank 5"):
+        rank0.should_commit(5, 0, True, timeout=1.0)
+    with pytest.raises(ValueError, match="timeout"):
+        rank0.should_commit(0, 0, True, timeout=0)
+
+    r0, r1 = both_ask(group, step=0)
+    assert r0.quorum_id == r1.quorum_id
+
+
+def test_bad_manager_settings_are_refused_naming_the_setting(lighthouse):
+    address = lighthouse.address
+    with pytest.raises(ValueError, match="replica id"):
+        phalanx.ManagerServer("no spaces", address)
+    with pytest.raises(ValueError, match="replica id is empty"):
+        phalanx.ManagerServer("", address)
+    with pytest.raises(ValueError, match="world size 0"):
+        phalanx.ManagerServer("g", address, world_size=0)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        phalanx.ManagerServer("g", address, heartbeat_interval=0)
+    with pytest.raises(ValueError, match="not a valid address"):
+        phalanx.ManagerServer("g", "not an address")
+
+
+def test_no_event_is_none_after_the_timeout(group):
+    rank0, _ = group
+    rank0.subscribe_events()
+    rank0.subscribe_events()  # idempotent
+    started = time.monotonic()
+
+    assert rank0.next_event(timeout=0.2) is None
+    assert rank0.next_event() is None
+
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_group_that_shuts_down_is_reported_to_the_others_at_once(lighthouse):
+    kw = {"heartbeat_interval": HEARTBEAT_INTERVAL}
+    with phalanx.ManagerServer("a", lighthouse.address, **kw) as a:
+        b = phalanx.ManagerServer("b", lighthouse.address, **kw)
+        try:
+            a_rank, b_rank = phalanx.ManagerClient(a.address), phalanx.ManagerClient(b.address)
+            a_rank.subscribe_events()
+            quorums = together(
+                lambda: a_rank.quorum(0, 0, timeout=5.0),
+                lambda: b_rank.quorum(0, 0, timeout=5.0),
+            )
+            assert [len(q.participants) for q in quorums] == [2, 2]
+        finally:
+            stopped_at = time.monotonic()
+            b.shutdown()
+
+        event = a_rank.next_event(timeout=5.0)
+
+        assert event is not None
+        assert time.monotonic() - stopped_at < 2.0
+        assert (event.lost, event.cause) == (["b"], "stream_broken")
+        assert event.quorum_id == quorums[0].quorum_id
+        assert a_rank.quorum(0, 1, timeout=5.0).quorum_id > event.quorum_id
