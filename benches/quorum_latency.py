@@ -25,7 +25,16 @@ def main() -> None:
     parser.add_argument("--change-every", type=int, default=10)
     args = parser.parse_args()
 
-    with lighthouse_process("--join-timeout", "1s", "--heartbeat-timeout", "5s") as (address, _):
+    # Every group is in every quorum from the first round on.
+    flags = (
+        "--join-timeout",
+        "1s",
+        "--heartbeat-timeout",
+        "5s",
+        "--min-replicas",
+        str(args.replicas),
+    )
+    with lighthouse_process(*flags) as (address, _):
         timings = _core.bench_quorum_rounds(
             address, args.replicas, args.rounds, change_every=args.change_every
         )

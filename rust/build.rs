@@ -3,6 +3,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
     println!("cargo:rerun-if-changed=rust/proto/phalanx.proto");
     tonic_prost_build::configure()
+        // Shared, not copied: one encoded quorum goes to every member of a round.
+        .bytes(".phalanx.v1.LighthouseQuorumResponse.quorum")
         .compile_protos(&["rust/proto/phalanx.proto"], &["rust/proto"])?;
     Ok(())
 }

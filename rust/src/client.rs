@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use prost::Message;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
@@ -124,6 +125,24 @@ impl LighthouseClient {
         last_quorum_id: u64,
         timeout: Duration,
     ) -> Result<proto::Quorum, Error> {
+        let encoded = self
+            .quorum_encoded(requester, last_quorum_id, timeout)
+            .await?;
+        proto::Quorum::decode(encoded).map_err(|e| {
+            Error::Rpc(Status::internal(format!(
+                "the lighthouse at {} answered with a malformed quorum: {e}",
+                self.address
+            )))
+        })
+    }
+
+    /// Like [`Self::quorum`], but leaves the answer encoded.
+    pub async fn quorum_encoded(
+        &self,
+        requester: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Result<bytes::Bytes, Error> {
         let request = with_timeout(
             proto::LighthouseQuorumRequest {
                 protocol_version: PROTOCOL_VERSION,
@@ -135,9 +154,7 @@ impl LighthouseClient {
         );
         let mut client = self.inner.clone();
         let response = call("lighthouse", &self.address, timeout, client.quorum(request)).await?;
-        response
-            .quorum
-            .ok_or_else(|| Error::Rpc(Status::internal("the lighthouse answered without a quorum")))
+        Ok(response.quorum)
     }
 
     pub async fn status(&self, timeout: Duration) -> Result<proto::StatusResponse, Error> {

@@ -18,7 +18,7 @@
 //!   commit failures, and is never reused: it starts above every id any caller
 //!   has seen, which is what lets a restarted lighthouse carry on (invariant I3).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -126,16 +126,59 @@ pub enum WaitReason {
     },
     /// The job's first quorum: live replicas that have not asked yet.
     GatheringFirstQuorum {
-        missing: Vec<ReplicaId>,
+        missing: Missing,
     },
     /// The lighthouse restarted: giving every group the join timeout to re-connect.
     RejoiningAfterRestart {
-        missing: Vec<ReplicaId>,
+        missing: Missing,
     },
     /// Live members of the previous quorum that have not rejoined yet.
     LateMembers {
-        missing: Vec<ReplicaId>,
+        missing: Missing,
     },
+}
+
+/// The replicas a round is waiting for: how many, and the first few by name (a
+/// round can wait for thousands; naming them all would cost more than deciding).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Missing {
+    pub count: usize,
+    /// The smallest replica ids among them, in order.
+    pub first: Vec<ReplicaId>,
+}
+
+impl Missing {
+    const NAMED: usize = 8;
+
+    fn of<'a>(ids: impl Iterator<Item = &'a str>) -> Missing {
+        let mut missing = Missing::default();
+        for id in ids {
+            missing.count += 1;
+            if missing.first.len() == Self::NAMED
+                && missing.first.last().is_some_and(|last| last.as_str() <= id)
+            {
+                continue;
+            }
+            let at = missing.first.partition_point(|f| f.as_str() < id);
+            missing.first.insert(at, id.to_string());
+            missing.first.truncate(Self::NAMED);
+        }
+        missing
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
+impl fmt::Display for Missing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.first.join(", "))?;
+        if self.count > self.first.len() {
+            write!(f, " and {} more", self.count - self.first.len())?;
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Display for WaitReason {
@@ -156,8 +199,7 @@ impl fmt::Display for WaitReason {
             ),
             WaitReason::GatheringFirstQuorum { missing } => write!(
                 f,
-                "first quorum: waiting up to the join timeout for live groups that have not asked yet: {}",
-                name_list(missing)
+                "first quorum: waiting up to the join timeout for live groups that have not asked yet: {missing}"
             ),
             WaitReason::RejoiningAfterRestart { missing } if missing.is_empty() => write!(
                 f,
@@ -166,30 +208,14 @@ impl fmt::Display for WaitReason {
             WaitReason::RejoiningAfterRestart { missing } => write!(
                 f,
                 "the lighthouse restarted: waiting out the join timeout for groups re-connecting; \
-                 live but not asking yet: {}",
-                name_list(missing)
+                 live but not asking yet: {missing}"
             ),
             WaitReason::LateMembers { missing } => write!(
                 f,
-                "waiting up to the join timeout for live members of the previous quorum: {}",
-                name_list(missing)
+                "waiting up to the join timeout for live members of the previous quorum: {missing}"
             ),
         }
     }
-}
-
-fn name_list(ids: &[ReplicaId]) -> String {
-    const SHOWN: usize = 8;
-    let mut s = ids
-        .iter()
-        .take(SHOWN)
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if ids.len() > SHOWN {
-        s.push_str(&format!(" and {} more", ids.len() - SHOWN));
-    }
-    s
 }
 
 /// Decides the next quorum. See the module documentation for the rules.
@@ -213,11 +239,6 @@ pub fn decide(round: &Round<'_>) -> Decision {
             reason: WaitReason::NoJoiners,
         };
     };
-    let joined_ids: HashSet<&str> = joined
-        .iter()
-        .map(|j| j.member.replica_id.as_str())
-        .collect();
-
     let shrink_only = joined.iter().any(|j| j.member.shrink_only);
     let members: Vec<&Joiner> = match previous {
         Some(prev) if shrink_only => joined
@@ -228,14 +249,20 @@ pub fn decide(round: &Round<'_>) -> Decision {
         _ => joined.clone(),
     };
 
-    let previous_live: Vec<&str> = previous
-        .map(|p| p.replica_ids().filter(|id| live.is_live(id)).collect())
-        .unwrap_or_default();
-    let relevant = previous_live
-        .iter()
-        .filter(|id| !joined_ids.contains(*id))
-        .count()
-        + joined_ids.len();
+    // Live members of the previous quorum that have not asked yet. Both lists are in
+    // replica-id order, so one merged walk finds them (this runs on every request).
+    let mut late: Vec<&str> = Vec::new();
+    if let Some(prev) = previous {
+        let mut asking = joiners.keys().peekable();
+        for id in prev.replica_ids() {
+            while asking.next_if(|j| j.as_str() < id).is_some() {}
+            let asked = asking.peek().is_some_and(|j| j.as_str() == id);
+            if !asked && live.is_live(id) {
+                late.push(id);
+            }
+        }
+    }
+    let relevant = late.len() + joined.len();
 
     let blocker = if members.len() < config.min_replicas {
         Some(WaitReason::TooFewReplicas {
@@ -251,21 +278,9 @@ pub fn decide(round: &Round<'_>) -> Decision {
         None
     };
 
-    let missing: Vec<ReplicaId> = match previous {
-        Some(_) => previous_live
-            .iter()
-            .filter(|id| !joined_ids.contains(*id))
-            .map(|id| id.to_string())
-            .collect(),
-        None => {
-            let mut missing: Vec<ReplicaId> = live
-                .live_ids()
-                .filter(|id| !joined_ids.contains(id))
-                .map(str::to_string)
-                .collect();
-            missing.sort();
-            missing
-        }
+    let missing = match previous {
+        Some(_) => Missing::of(late.into_iter()),
+        None => Missing::of(live.live_ids().filter(|id| !joiners.contains_key(*id))),
     };
     let deadline = first_join + config.join_timeout;
     // A fresh lighthouse that hears of earlier quorums was restarted: the other groups
@@ -331,6 +346,17 @@ fn next_id(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_wait_list_names_the_first_few_in_order_and_counts_the_rest() {
+        let ids: Vec<String> = (0..20).rev().map(|i| format!("g{i:02}")).collect();
+        let missing = Missing::of(ids.iter().map(String::as_str));
+        assert_eq!(missing.count, 20);
+        assert_eq!(
+            missing.to_string(),
+            "g00, g01, g02, g03, g04, g05, g06, g07 and 12 more"
+        );
+    }
 
     fn member(id: &str) -> Member {
         Member {
@@ -416,7 +442,7 @@ mod tests {
             Decision::Wait {
                 until: Some(s.t0 + Duration::from_secs(1)),
                 reason: WaitReason::GatheringFirstQuorum {
-                    missing: vec!["c".into()]
+                    missing: Missing::of(["c"].into_iter())
                 },
             }
         );
@@ -476,7 +502,7 @@ mod tests {
             Decision::Wait {
                 until: Some(s.t0 + Duration::from_millis(1100)),
                 reason: WaitReason::LateMembers {
-                    missing: vec!["c".into()]
+                    missing: Missing::of(["c"].into_iter())
                 },
             }
         );
@@ -599,7 +625,9 @@ mod tests {
             s.decide_at(10),
             Decision::Wait {
                 until: Some(s.t0 + Duration::from_secs(1)),
-                reason: WaitReason::RejoiningAfterRestart { missing: vec![] },
+                reason: WaitReason::RejoiningAfterRestart {
+                    missing: Missing::default()
+                },
             }
         );
         s.join_at("b", 500);

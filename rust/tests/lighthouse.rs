@@ -14,6 +14,7 @@ use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::proto::{self, PROTOCOL_VERSION};
 use phalanx::server::ServerHandle;
 use phalanx::{Error, ErrorKind};
+use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -647,8 +648,8 @@ async fn bad_requests_are_refused_and_the_lighthouse_serves_on() {
     .await
     .expect("served on the same connection")
     .into_inner()
-    .quorum
-    .expect("a quorum");
+    .quorum;
+    let q = proto::Quorum::decode(q).expect("an encoded quorum");
     assert_eq!(ids(&q), ["ok"]);
     let q = c
         .quorum(member("ok", 1), q.quorum_id, CALL_TIMEOUT)

@@ -180,9 +180,7 @@ impl Lighthouse for LighthouseService {
             Ok(Ok(reply)) => {
                 guard.ticket = None;
                 let quorum = reply?;
-                Ok(Response::new(proto::LighthouseQuorumResponse {
-                    quorum: Some((*quorum).clone()),
-                }))
+                Ok(Response::new(proto::LighthouseQuorumResponse { quorum }))
             }
             Ok(Err(_)) => {
                 guard.ticket = None;

@@ -6,9 +6,10 @@
 //! The server (`service.rs`) holds this behind one mutex and never awaits inside it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
@@ -35,8 +36,8 @@ impl Eviction {
     }
 }
 
-/// The answer a waiting quorum request gets.
-pub type QuorumReply = Result<Arc<proto::Quorum>, Status>;
+/// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
+pub type QuorumReply = Result<Bytes, Status>;
 
 /// The lighthouse end of a group's heartbeat stream.
 struct HeartbeatStream {
@@ -365,11 +366,14 @@ impl LighthouseState {
             .min()
             .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         let changed = self.previous.as_ref().is_none_or(|p| p.id != quorum.id);
-        let reply = Arc::new(proto::Quorum {
-            quorum_id: quorum.id,
-            participants: quorum.members.iter().cloned().map(Into::into).collect(),
-            issued_at_unix_ms: unix_ms,
-        });
+        let reply = Bytes::from(
+            proto::Quorum {
+                quorum_id: quorum.id,
+                participants: quorum.members.iter().cloned().map(Into::into).collect(),
+                issued_at_unix_ms: unix_ms,
+            }
+            .encode_to_vec(),
+        );
         for id in quorum.replica_ids() {
             self.joiners.remove(id);
             if let Some(p) = self.pending.remove(id) {
@@ -532,7 +536,11 @@ mod tests {
         (stream, rx)
     }
 
-    fn form_quorum(s: &mut LighthouseState, ids: &[&str], now: Instant) -> Arc<proto::Quorum> {
+    fn decoded(reply: QuorumReply) -> proto::Quorum {
+        proto::Quorum::decode(reply.unwrap()).unwrap()
+    }
+
+    fn form_quorum(s: &mut LighthouseState, ids: &[&str], now: Instant) -> proto::Quorum {
         let mut replies = Vec::new();
         for id in ids {
             let (tx, rx) = oneshot::channel();
@@ -542,7 +550,7 @@ mod tests {
         s.evaluate(now, 0).expect("quorum");
         let mut got = replies
             .into_iter()
-            .map(|mut r| r.try_recv().unwrap().unwrap());
+            .map(|mut r| decoded(r.try_recv().unwrap()));
         got.next().unwrap()
     }
 
@@ -614,7 +622,7 @@ mod tests {
         // Having heard of quorum 17, it gives re-connecting groups the join timeout.
         assert!(s.evaluate(t, 0).is_none());
         assert!(s.evaluate(t + Duration::from_secs(1), 0).is_some());
-        assert_eq!(answer.try_recv().unwrap().unwrap().quorum_id, 18);
+        assert_eq!(decoded(answer.try_recv().unwrap()).quorum_id, 18);
     }
 
     #[test]
