@@ -18,6 +18,8 @@ use crate::Error;
 
 /// Time the server gets past the caller's timeout to send its own, better-worded error.
 const GRACE: Duration = Duration::from_millis(500);
+/// A lighthouse that restarts is back within a second or so; its groups should be too.
+const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
 /// Answers can list thousands of members; far more than requests.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -214,18 +216,20 @@ pub async fn keep_heartbeat(
     let mut backoff = interval;
     loop {
         let (beats_tx, beats_rx) = mpsc::channel(4);
-        let id = replica_id.clone();
-        let beat = move |p: Progress| proto::Beat {
+        // Only the first beat names the group; the server reads it before answering,
+        // so it is queued before the call.
+        let beat = |p: Progress| proto::Beat {
             protocol_version: PROTOCOL_VERSION,
-            replica_id: id.clone(),
+            replica_id: String::new(),
             last_quorum_id: p.last_quorum_id,
             step: p.step,
         };
-        // The first beat must be queued before the call: the server reads it first.
-        let _ = beats_tx.try_send(beat(*progress.borrow()));
+        let _ = beats_tx.try_send(proto::Beat {
+            replica_id: replica_id.clone(),
+            ..beat(*progress.borrow())
+        });
         let sender = {
             let progress = progress.clone();
-            let beat = beat.clone();
             AbortOnDrop(tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -277,7 +281,7 @@ pub async fn keep_heartbeat(
                     "cannot open the heartbeat stream: {}",
                     e.message()
                 );
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+                backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(interval));
             }
         }
         drop(sender);

@@ -3,6 +3,7 @@
 
 mod http;
 mod metrics;
+mod pulse;
 mod service;
 pub mod state;
 
@@ -81,7 +82,6 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
     let (shutdown, shutdown_rx) = watch::channel(false);
     let grpc = LighthouseServer::new(LighthouseService {
         shared: shared.clone(),
-        shutdown: shutdown_rx.clone(),
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());

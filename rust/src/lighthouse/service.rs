@@ -113,7 +113,6 @@ impl Shared {
 
 pub(crate) struct LighthouseService {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) shutdown: watch::Receiver<bool>,
 }
 
 /// Withdraws a quorum request whose caller timed out or went away.
@@ -226,41 +225,34 @@ impl Lighthouse for LighthouseService {
         refuse(&self.shared, "invalid", checked)?;
 
         let (events_tx, events_rx) = mpsc::channel(16);
-        let stream_id = {
+        let (stream_id, pulse) = {
             let mut st = self.shared.lock();
             let now = Instant::now();
-            let id = refuse(
+            let opened = refuse(
                 &self.shared,
                 "duplicate_replica",
                 st.open_stream(&first, peer, events_tx, now),
             )?;
             self.shared.evaluate(&mut st, now);
-            id
+            opened
         };
         self.shared.metrics.heartbeats.inc();
 
         let shared = self.shared.clone();
-        let mut shutdown = self.shutdown.clone();
         let replica_id = first.replica_id;
+        // Ends when the group's side closes or breaks, or at its first beat once it was
+        // evicted or the lighthouse stopped (both retire the pulse and end the
+        // response stream, so the group closes its side too).
         tokio::spawn(async move {
             loop {
-                let beat = tokio::select! {
-                    beat = inbound.message() => beat,
-                    _ = shutdown.changed() => return,
-                };
-                match beat {
+                match inbound.message().await {
+                    // The hot path: no lock, a few atomic stores.
                     Ok(Some(beat)) => {
                         shared.metrics.heartbeats.inc();
-                        let ok = validate::step(beat.step).is_ok()
-                            && shared.lock().stream_beat(
-                                &replica_id,
-                                &beat,
-                                stream_id,
-                                Instant::now(),
-                            );
-                        if !ok {
+                        if pulse.is_retired() || validate::step(beat.step).is_err() {
                             return;
                         }
+                        pulse.beat(Instant::now(), beat.step, beat.last_quorum_id);
                     }
                     Ok(None) | Err(_) => {
                         let mut st = shared.lock();

@@ -6,6 +6,8 @@
 //! The server (`service.rs`) holds this behind one mutex and never awaits inside it.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -13,6 +15,7 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+use super::pulse::Pulse;
 use crate::proto;
 use crate::quorum::{
     self, Decision, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId, WaitReason,
@@ -47,8 +50,7 @@ struct HeartbeatStream {
 }
 
 struct Replica {
-    last_beat: Instant,
-    step: i64,
+    pulse: Arc<Pulse>,
     stream: Option<HeartbeatStream>,
 }
 
@@ -71,7 +73,9 @@ pub struct LighthouseState {
     joiners: BTreeMap<ReplicaId, Joiner>,
     pending: HashMap<ReplicaId, PendingJoin>,
     previous: Option<Quorum>,
-    highest_seen_id: QuorumId,
+    /// The highest quorum id heard from anyone; heartbeat streams raise it directly.
+    heard: Arc<AtomicU64>,
+    epoch: Instant,
     quorums_issued: u64,
     next_ticket: u64,
     waiting: (WaitReason, Option<Instant>),
@@ -90,13 +94,13 @@ impl LiveSet for Fresh<'_> {
     fn is_live(&self, replica_id: &str) -> bool {
         self.replicas
             .get(replica_id)
-            .is_some_and(|r| self.horizon.is_none_or(|h| r.last_beat > h))
+            .is_some_and(|r| self.horizon.is_none_or(|h| r.pulse.last_beat() > h))
     }
     fn live_ids(&self) -> Box<dyn Iterator<Item = &str> + '_> {
         Box::new(
             self.replicas
                 .iter()
-                .filter(|(_, r)| self.horizon.is_none_or(|h| r.last_beat > h))
+                .filter(|(_, r)| self.horizon.is_none_or(|h| r.pulse.last_beat() > h))
                 .map(|(id, _)| id.as_str()),
         )
     }
@@ -111,7 +115,8 @@ impl LighthouseState {
             joiners: BTreeMap::new(),
             pending: HashMap::new(),
             previous: None,
-            highest_seen_id: 0,
+            heard: Arc::new(AtomicU64::new(0)),
+            epoch: Instant::now(),
             quorums_issued: 0,
             next_ticket: 0,
             waiting: (WaitReason::NoJoiners, None),
@@ -138,8 +143,7 @@ impl LighthouseState {
                 )));
             }
         }
-        self.highest_seen_id = self.highest_seen_id.max(last_quorum_id);
-        self.beat(&id, member.step, now);
+        self.beat(&id, member.step, last_quorum_id, now);
         if let Some(old) = self.pending.remove(&id) {
             let _ = old.reply.send(Err(Status::aborted(
                 "superseded by a newer quorum request from the same replica group",
@@ -172,18 +176,16 @@ impl LighthouseState {
         }
     }
 
-    fn beat(&mut self, replica_id: &str, step: i64, now: Instant) {
-        match self.replicas.get_mut(replica_id) {
-            Some(r) => {
-                r.last_beat = now;
-                r.step = step;
-            }
+    fn beat(&mut self, replica_id: &str, step: i64, last_quorum_id: QuorumId, now: Instant) {
+        match self.replicas.get(replica_id) {
+            Some(r) => r.pulse.beat(now, step, last_quorum_id),
             None => {
+                let pulse = self.new_pulse(now, step);
+                pulse.beat(now, step, last_quorum_id);
                 self.replicas.insert(
                     replica_id.to_string(),
                     Replica {
-                        last_beat: now,
-                        step,
+                        pulse,
                         stream: None,
                     },
                 );
@@ -191,20 +193,28 @@ impl LighthouseState {
         }
     }
 
-    /// Opens a group's heartbeat stream. A second live stream for the same replica id
-    /// is refused, naming the one already connected.
+    fn new_pulse(&self, now: Instant, step: i64) -> Arc<Pulse> {
+        Arc::new(Pulse::new(self.epoch, now, step, self.heard.clone()))
+    }
+
+    fn highest_seen_id(&self) -> QuorumId {
+        self.heard.load(Relaxed)
+    }
+
+    /// Opens a group's heartbeat stream; its beats go to the returned pulse. A second
+    /// live stream for the same replica id is refused, naming the one already connected.
     pub fn open_stream(
         &mut self,
         beat: &proto::Beat,
         peer: String,
         events: mpsc::Sender<Result<proto::LighthouseEvent, Status>>,
         now: Instant,
-    ) -> Result<u64, Status> {
+    ) -> Result<(u64, Arc<Pulse>), Status> {
         let id = &beat.replica_id;
         if let Some(HeartbeatStream { peer: other, .. }) = self
             .replicas
             .get(id)
-            .filter(|r| now.saturating_duration_since(r.last_beat) < self.heartbeat_timeout)
+            .filter(|r| now.saturating_duration_since(r.pulse.last_beat()) < self.heartbeat_timeout)
             .and_then(|r| r.stream.as_ref())
         {
             return Err(Status::already_exists(format!(
@@ -214,41 +224,27 @@ impl LighthouseState {
                 self.heartbeat_timeout.as_secs_f64()
             )));
         }
-        self.highest_seen_id = self.highest_seen_id.max(beat.last_quorum_id);
-        self.beat(id, beat.step, now);
+        // A fresh pulse: a stale stream of the same group, should it wake up, beats
+        // into its own retired one and ends.
+        let pulse = self.new_pulse(now, beat.step);
+        pulse.beat(now, beat.step, beat.last_quorum_id);
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
-        if let Some(r) = self.replicas.get_mut(id) {
-            r.stream = Some(HeartbeatStream {
-                id: stream_id,
-                events,
-                peer,
-            });
+        let replaced = self.replicas.insert(
+            id.clone(),
+            Replica {
+                pulse: pulse.clone(),
+                stream: Some(HeartbeatStream {
+                    id: stream_id,
+                    events,
+                    peer,
+                }),
+            },
+        );
+        if let Some(old) = replaced {
+            old.pulse.retire();
         }
-        Ok(stream_id)
-    }
-
-    /// A beat on an open stream. `false` once the stream is no longer the group's
-    /// (evicted or replaced): the server then ends it.
-    pub fn stream_beat(
-        &mut self,
-        replica_id: &str,
-        beat: &proto::Beat,
-        stream_id: u64,
-        now: Instant,
-    ) -> bool {
-        let Some(r) = self.replicas.get_mut(replica_id) else {
-            return false;
-        };
-        if r.stream.as_ref().is_none_or(|s| s.id != stream_id) {
-            return false;
-        }
-        r.last_beat = now;
-        r.step = beat.step;
-        if beat.last_quorum_id > self.highest_seen_id {
-            self.highest_seen_id = beat.last_quorum_id;
-        }
-        true
+        Ok((stream_id, pulse))
     }
 
     /// The stream dropped: the group is dead now, not after a timeout.
@@ -273,7 +269,7 @@ impl LighthouseState {
         let stale: Vec<ReplicaId> = self
             .replicas
             .iter()
-            .filter(|(_, r)| r.last_beat <= horizon)
+            .filter(|(_, r)| r.pulse.last_beat() <= horizon)
             .map(|(id, _)| id.clone())
             .collect();
         for id in &stale {
@@ -288,7 +284,9 @@ impl LighthouseState {
     /// Forgets a dead group (nothing of it stays in memory), answers its pending
     /// request, and tells the other members of the current quorum at once.
     fn evict(&mut self, replica_id: &str, cause: Eviction) {
-        self.replicas.remove(replica_id);
+        if let Some(r) = self.replicas.remove(replica_id) {
+            r.pulse.retire();
+        }
         self.joiners.remove(replica_id);
         if let Some(p) = self.pending.remove(replica_id) {
             let _ = p.reply.send(Err(Status::unavailable(format!(
@@ -329,6 +327,7 @@ impl LighthouseState {
         }
         self.joiners.clear();
         for (_, r) in self.replicas.drain() {
+            r.pulse.retire();
             if let Some(stream) = r.stream {
                 let _ = stream.events.try_send(Err(gone()));
             }
@@ -344,7 +343,7 @@ impl LighthouseState {
             joiners: &self.joiners,
             live: &live,
             previous: self.previous.as_ref(),
-            highest_seen_id: self.highest_seen_id,
+            highest_seen_id: self.highest_seen_id(),
             config: &self.config,
             now,
         })
@@ -380,7 +379,7 @@ impl LighthouseState {
                 let _ = p.reply.send(Ok(reply.clone()));
             }
         }
-        self.highest_seen_id = self.highest_seen_id.max(quorum.id);
+        self.heard.fetch_max(quorum.id, Relaxed);
         self.quorums_issued += 1;
         let issued = Issued {
             quorum_id: quorum.id,
@@ -405,7 +404,7 @@ impl LighthouseState {
         let expiry = self
             .replicas
             .values()
-            .map(|r| r.last_beat + self.heartbeat_timeout)
+            .map(|r| r.pulse.last_beat() + self.heartbeat_timeout)
             .min();
         match (self.waiting.1, expiry) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -442,8 +441,10 @@ impl LighthouseState {
                 connected: r.stream.is_some(),
                 joined: self.joiners.contains_key(id),
                 in_quorum: self.previous.as_ref().is_some_and(|q| q.contains(id)),
-                step: r.step,
-                heartbeat_age_ms: now.saturating_duration_since(r.last_beat).as_millis() as u64,
+                step: r.pulse.step(),
+                heartbeat_age_ms: now
+                    .saturating_duration_since(r.pulse.last_beat())
+                    .as_millis() as u64,
                 peer: r
                     .stream
                     .as_ref()
@@ -530,7 +531,7 @@ mod tests {
 
     type Events = mpsc::Receiver<Result<proto::LighthouseEvent, Status>>;
 
-    fn open(s: &mut LighthouseState, id: &str, now: Instant) -> (u64, Events) {
+    fn open(s: &mut LighthouseState, id: &str, now: Instant) -> ((u64, Arc<Pulse>), Events) {
         let (tx, rx) = mpsc::channel(4);
         let stream = s.open_stream(&beat(id), "test".into(), tx, now).unwrap();
         (stream, rx)
@@ -558,10 +559,11 @@ mod tests {
     fn a_broken_stream_evicts_at_once_and_tells_the_other_members() {
         let t = Instant::now();
         let mut s = state();
-        let (a_stream, mut a_events) = open(&mut s, "a", t);
-        let (b_stream, _b_events) = open(&mut s, "b", t);
+        let ((a_stream, _), mut a_events) = open(&mut s, "a", t);
+        let ((b_stream, b_pulse), _b_events) = open(&mut s, "b", t);
         form_quorum(&mut s, &["a", "b"], t);
         assert_eq!(s.close_stream("b", b_stream), Some(Eviction::StreamBroken));
+        assert!(b_pulse.is_retired(), "its stream task must end");
         let event = a_events.try_recv().unwrap().unwrap();
         let Some(proto::lighthouse_event::Event::MembershipLost(lost)) = event.event else {
             panic!("expected a membership loss");
@@ -577,10 +579,10 @@ mod tests {
     fn a_silent_group_expires_after_the_heartbeat_timeout_and_is_forgotten() {
         let t = Instant::now();
         let mut s = state();
-        let (a, _ea) = open(&mut s, "a", t);
+        let ((_, a), _ea) = open(&mut s, "a", t);
         let (_b, _eb) = open(&mut s, "b", t);
         assert!(s.expire(t + Duration::from_millis(1900)).is_empty());
-        assert!(s.stream_beat("a", &beat("a"), a, t + Duration::from_millis(1900)));
+        a.beat(t + Duration::from_millis(1900), 1, 0);
         let expired = s.expire(t + Duration::from_millis(2000));
         assert_eq!(expired, [("b".to_string(), Eviction::HeartbeatTimeout)]);
         assert_eq!(s.live_replicas(), 1);
