@@ -17,3 +17,8 @@ pub use error::{Error, ErrorKind};
 
 #[cfg(feature = "python")]
 mod python;
+
+/// Many small, short-lived allocations per request (strings, frames); mimalloc serves
+/// them with less contention than the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
