@@ -74,15 +74,7 @@ pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
     // (SIGTERM) or be lost (SIGINT).
     let stop = shutdown_signal();
     let addr = handle.local_addr();
-    let shown = if addr.ip().is_unspecified() {
-        format!(
-            "{}:{}",
-            gethostname::gethostname().to_string_lossy(),
-            addr.port()
-        )
-    } else {
-        addr.to_string()
-    };
+    let shown = crate::server::advertised_address(addr, None);
     println!("phalanx lighthouse listening on {addr}; status page: http://{shown}/");
     stop.await;
     println!("phalanx lighthouse shutting down");

@@ -255,15 +255,7 @@ impl LighthouseServer {
         };
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
-        let address = if addr.ip().is_unspecified() {
-            format!(
-                "{}:{}",
-                gethostname::gethostname().to_string_lossy(),
-                addr.port()
-            )
-        } else {
-            addr.to_string()
-        };
+        let address = crate::server::advertised_address(addr, None);
         Ok(LighthouseServer {
             handle: Mutex::new(Some(handle)),
             address,
@@ -288,12 +280,11 @@ impl LighthouseServer {
     fn __exit__(
         &self,
         py: Python<'_>,
-        _exc_type: Py<PyAny>,
-        _exc: Py<PyAny>,
-        _tb: Py<PyAny>,
+        _exc: Bound<'_, PyAny>,
+        _v: Bound<'_, PyAny>,
+        _tb: Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        self.shutdown(py)?;
-        Ok(false)
+        self.shutdown(py).map(|()| false)
     }
 }
 
@@ -456,12 +447,11 @@ impl ManagerServer {
     fn __exit__(
         &self,
         py: Python<'_>,
-        _exc_type: Py<PyAny>,
-        _exc: Py<PyAny>,
-        _tb: Py<PyAny>,
+        _exc: Bound<'_, PyAny>,
+        _v: Bound<'_, PyAny>,
+        _tb: Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        self.shutdown(py)?;
-        Ok(false)
+        self.shutdown(py).map(|()| false)
     }
 }
 

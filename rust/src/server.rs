@@ -51,6 +51,23 @@ impl Drop for ServerHandle {
     }
 }
 
+/// The "host:port" others should use to reach a server bound to `bound`: the given
+/// host, else the bound IP, else (bound to all interfaces) this machine's hostname.
+pub fn advertised_address(bound: SocketAddr, host: Option<&str>) -> String {
+    let host = match host {
+        Some(h) if !h.is_empty() => h.to_string(),
+        _ if bound.ip().is_unspecified() => {
+            gethostname::gethostname().to_string_lossy().into_owned()
+        }
+        _ => bound.ip().to_string(),
+    };
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", bound.port())
+    } else {
+        format!("{host}:{}", bound.port())
+    }
+}
+
 /// Binds `address` ("host:port", port 0 for any free port).
 pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), Error> {
     let bind_error = |source| Error::Bind {

@@ -401,21 +401,6 @@ impl Manager for ManagerService {
     }
 }
 
-fn advertised_address(options: &ManagerOptions, bound: std::net::SocketAddr) -> String {
-    let host = match &options.advertise_host {
-        Some(h) if !h.is_empty() => h.clone(),
-        _ if bound.ip().is_unspecified() => {
-            gethostname::gethostname().to_string_lossy().into_owned()
-        }
-        _ => bound.ip().to_string(),
-    };
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{}", bound.port())
-    } else {
-        format!("{host}:{}", bound.port())
-    }
-}
-
 /// A running manager server and the address its ranks and peers use.
 pub struct ManagerHandle {
     pub server: ServerHandle,
@@ -433,7 +418,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (progress, progress_rx) = watch::channel(Progress::default());
     let (events, _) = broadcast::channel(64);
     let (listener, bound) = server::bind(&options.bind).await?;
-    let manager_address = advertised_address(&options, bound);
+    let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
     let shared = Arc::new(Shared {
         options: options.clone(),
         manager_address: manager_address.clone(),
