@@ -8,9 +8,12 @@ import pytest
 
 import phalanx
 import phalanx.cli
+import phalanx.manager
 
 
-@pytest.mark.parametrize("module", [phalanx, phalanx.cli], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [phalanx, phalanx.cli, phalanx.manager], ids=lambda m: m.__name__
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, report=True)
     assert result.failed == 0

@@ -13,7 +13,12 @@ per replica group) and their clients.
 ...     quorum = client.quorum("group-a", timeout=5.0)
 ...     [m.replica_id for m in quorum.participants]
 ['group-a']
+
+The training side — `Manager`, `Optimizer`, `DistributedDataParallel` — imports torch
+and is loaded on first use, so that `phalanx lighthouse` starts without it.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from phalanx._core import (
     PROTOCOL_VERSION,
@@ -31,8 +36,31 @@ from phalanx._core import (
     __version__,
 )
 
+if TYPE_CHECKING:
+    from phalanx.ddp import DistributedDataParallel
+    from phalanx.manager import Manager
+    from phalanx.optim import Optimizer
+
+_LAZY = {
+    "Manager": "phalanx.manager",
+    "Optimizer": "phalanx.optim",
+    "DistributedDataParallel": "phalanx.ddp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+
+
 __all__ = [
     "PROTOCOL_VERSION",
+    "DistributedDataParallel",
+    "Manager",
+    "Optimizer",
     "LighthouseClient",
     "LighthouseServer",
     "LighthouseStatus",

@@ -1,0 +1,103 @@
+"""`phalanx.DistributedDataParallel`: data parallelism across replica groups, with the
+gradients averaged over the current quorum.
+
+Gradients are gathered into buckets as backward produces them; each full bucket's
+all-reduce starts at once, overlapping the rest of the backward pass, and its result
+is copied back into the gradients before the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from phalanx.manager import Manager
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.ready = 0
+        self.launched = False
+
+    def launch(self, manager: Manager) -> None:
+        self.launched = True
+        self.ready = 0
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        manager.allreduce(flat, then=self._scatter)
+
+    def _scatter(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            averaged = flat[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = averaged.clone()
+            else:
+                p.grad.copy_(averaged)
+            offset += n
+
+
+def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Parameter]]:
+    """Parameters in reverse order (the order backward produces their gradients),
+    cut into buckets of about `limit` bytes."""
+    bucket: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps an unmodified module; its gradients are averaged over the quorum.
+
+    The module's state is registered with the manager as "model", so a healing group
+    receives it from its peers.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        manager: Manager,
+        bucket_bytes: int = BUCKET_BYTES,
+        name: str = "model",
+    ):
+        super().__init__()
+        self.module = module
+        self._manager = manager
+        manager.register_state(name, module.state_dict, module.load_state_dict)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets = [_Bucket(b) for b in _buckets(params, bucket_bytes)]
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._hook(bucket))
+        manager.register_pre_commit(self._flush)
+
+    def _hook(self, bucket: _Bucket):
+        def ready(_: torch.Tensor) -> None:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params) and not bucket.launched:
+                bucket.launch(self._manager)
+
+        return ready
+
+    def _flush(self) -> None:
+        """Before the vote: a bucket some of whose parameters got no gradient this
+        step (an unused branch) is reduced too, so every group applies the same."""
+        for bucket in self._buckets:
+            if not bucket.launched:
+                bucket.launch(self._manager)
+            bucket.launched = False
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)

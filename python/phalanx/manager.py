@@ -1,0 +1,504 @@
+"""`phalanx.Manager`: every training step is a transaction over the replica groups
+alive now.
+
+    start_quorum()      ask who takes part in this step (in the background, while the
+                        forward pass runs)
+    allreduce(tensor)   average a tensor over the participants; a group that heals
+                        this step contributes zeros
+    should_commit()     every rank of every group votes; the step commits only if
+                        every rank of this group said yes (I2)
+
+A group behind the others heals first: it streams the state of `max_step` from all
+up-to-date peers at once, straight into its own tensors, before it may vote (I4).
+Nothing here raises into the training loop because a peer died: a failed collective,
+a lost peer or a failed heal only make this step's vote "no".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx import _core
+from phalanx.process_group import (
+    CollectiveFailed,
+    FaultTolerantProcessGroup,
+    Membership,
+    Pending,
+    backend_for,
+)
+
+log = logging.getLogger("phalanx.manager")
+
+MANAGER_ADDRESS_KEY = "phalanx/manager_address"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines of one step's phases, derived from a single budget.
+
+    A group can sit in a collective or a commit vote for up to their deadlines before
+    it asks for the next quorum, so the quorum deadline must cover them; anything else
+    would make groups give up on each other while both are alive.
+
+    >>> Timeouts.from_budget(30.0)
+    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0)
+    >>> Timeouts.from_budget(30.0, collective=60.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: the quorum timeout (30.0 s) is shorter than the collective timeout (60.0 s); ...
+    """
+
+    quorum: float
+    collective: float
+    commit: float
+    heal: float
+
+    @classmethod
+    def from_budget(
+        cls,
+        timeout: float,
+        *,
+        quorum: float | None = None,
+        collective: float | None = None,
+        commit: float | None = None,
+        heal: float | None = None,
+    ) -> Timeouts:
+        timeouts = cls(
+            quorum=quorum if quorum is not None else timeout,
+            collective=collective if collective is not None else timeout / 2,
+            commit=commit if commit is not None else timeout / 2,
+            heal=heal if heal is not None else timeout,
+        )
+        timeouts.validate()
+        return timeouts
+
+    def validate(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"the {name} timeout must be a positive number of seconds")
+        for phase in ("collective", "commit"):
+            if self.quorum < getattr(self, phase):
+                raise ValueError(
+                    f"the quorum timeout ({self.quorum} s) is shorter than the {phase} "
+                    f"timeout ({getattr(self, phase)} s); a group still in its {phase} "
+                    "would be given up on by its peers. Raise the quorum timeout or lower "
+                    f"the {phase} timeout"
+                )
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+@dataclass
+class _Registered:
+    state_dict: Callable[[], Any]
+    load_state_dict: Callable[[Any], None]
+
+
+class Handle:
+    """A started all-reduce. `wait()` finishes it (average, then `then`), or leaves the
+    tensor as it is when the step failed; it never raises."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        pending: Pending | None,
+        tensor: torch.Tensor,
+        divisor: int,
+        then: Callable[[torch.Tensor], None] | None,
+    ):
+        self._manager = manager
+        self._pending = pending
+        self._tensor = tensor
+        self._divisor = divisor
+        self._then = then
+        self._done = False
+
+    def wait(self) -> bool:
+        """True when the tensor now holds the average over the participants."""
+        if self._done:
+            return self._manager.step_ok
+        self._done = True
+        if self._pending is None:
+            return False
+        try:
+            self._pending.wait()
+        except CollectiveFailed as e:
+            self._manager._fail(str(e))
+            return False
+        if self._divisor > 1:
+            self._tensor.div_(self._divisor)
+        if self._then is not None:
+            self._then(self._tensor)
+        return self._manager.step_ok
+
+
+class Manager:
+    """The step transaction of one rank of a replica group.
+
+    Settings come from the arguments, else from the environment: `PHALANX_REPLICA_ID`,
+    `PHALANX_LIGHTHOUSE`, `PHALANX_TOKEN`, `PHALANX_ADVERTISE_HOST`, and the usual
+    `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` for the group's own ranks (rank 0
+    hosts the group's rendezvous store at MASTER_ADDR:MASTER_PORT and its manager
+    server).
+    """
+
+    def __init__(
+        self,
+        *,
+        replica_id: str | None = None,
+        lighthouse: str | None = None,
+        timeout: float = 30.0,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        token: str | None = None,
+        advertise_host: str | None = None,
+        init_sync: bool = True,
+        heartbeat_interval: float = 0.1,
+        quorum_timeout: float | None = None,
+        collective_timeout: float | None = None,
+        commit_timeout: float | None = None,
+        heal_timeout: float | None = None,
+    ):
+        self.timeouts = Timeouts.from_budget(
+            timeout,
+            quorum=quorum_timeout,
+            collective=collective_timeout,
+            commit=commit_timeout,
+            heal=heal_timeout,
+        )
+        self.replica_id = replica_id or _env("PHALANX_REPLICA_ID")
+        lighthouse = lighthouse or _env("PHALANX_LIGHTHOUSE")
+        if not self.replica_id:
+            raise ValueError(
+                "no replica id: pass replica_id= or set PHALANX_REPLICA_ID (a name unique "
+                "among the job's live replica groups)"
+            )
+        if not lighthouse:
+            raise ValueError(
+                "no lighthouse: pass lighthouse='host:port' or set PHALANX_LIGHTHOUSE "
+                "(start one with 'phalanx lighthouse')"
+            )
+        self.group_rank = int(group_rank if group_rank is not None else _env("RANK", "0"))
+        self.group_world_size = int(
+            group_world_size if group_world_size is not None else _env("WORLD_SIZE", "1")
+        )
+        if not 0 <= self.group_rank < self.group_world_size:
+            raise ValueError(
+                f"group rank {self.group_rank} is outside a group of {self.group_world_size} "
+                "ranks; check RANK and WORLD_SIZE"
+            )
+        self._token = token or _env("PHALANX_TOKEN")
+        self._init_sync = init_sync
+        advertise_host = advertise_host or _env("PHALANX_ADVERTISE_HOST")
+        store_addr = store_addr or _env("MASTER_ADDR", "127.0.0.1")
+        port = store_port if store_port is not None else int(_env("MASTER_PORT", "0") or 0)
+        if self.group_world_size > 1 and port == 0:
+            raise ValueError(
+                "a group of several ranks needs MASTER_PORT (or store_port=) for its store"
+            )
+
+        self._registered: dict[str, _Registered] = {}
+        self._pre_commit: list[Callable[[], None]] = []
+        self._step = 0
+        self._quorum: _core.QuorumResult | None = None
+        self._quorum_future: Future[_core.QuorumResult] | None = None
+        self._quorum_resolved = False
+        self._failure: str | None = None
+        self._abort = threading.Event()
+        self._handles: list[Handle] = []
+        self._serving = False
+        self._closed = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
+
+        self._store = dist.TCPStore(
+            store_addr,
+            port,
+            world_size=None,
+            is_master=self.group_rank == 0,
+            timeout=timedelta(seconds=self.timeouts.quorum),
+            wait_for_workers=False,
+        )
+        host = advertise_host or store_addr
+        self._store_address = f"{host}:{self._store.port}"
+        self._server: _core.ManagerServer | None = None
+        if self.group_rank == 0:
+            self._server = _core.ManagerServer(
+                self.replica_id,
+                lighthouse,
+                world_size=self.group_world_size,
+                bind="0.0.0.0:0",
+                store_address=self._store_address,
+                advertise_host=host,
+                heartbeat_interval=heartbeat_interval,
+                init_sync=init_sync,
+                token=self._token,
+            )
+            self._store.set(MANAGER_ADDRESS_KEY, self._server.address)
+        manager_address = self._store.get(MANAGER_ADDRESS_KEY).decode()
+        self._client = _core.ManagerClient(manager_address, token=self._token)
+        self._client.subscribe_events()
+
+        from phalanx.recovery import StateHost
+
+        self._host = StateHost(bind="0.0.0.0:0", advertise_host=host, token=self._token)
+        self._pg = FaultTolerantProcessGroup(self.timeouts.collective)
+        self._watcher = threading.Thread(
+            target=self._watch_membership, name="phalanx-membership", daemon=True
+        )
+        self._watcher.start()
+
+    # -- registration -------------------------------------------------------------
+
+    def register_state(
+        self,
+        name: str,
+        state_dict: Callable[[], Any],
+        load_state_dict: Callable[[Any], None],
+    ) -> None:
+        """Registers state that a healing peer receives from this rank, e.g.
+        `manager.register_state("model", model.state_dict, model.load_state_dict)`."""
+        if name in self._registered:
+            raise ValueError(f"state {name!r} is registered already; pick another name")
+        self._registered[name] = _Registered(state_dict, load_state_dict)
+
+    def register_pre_commit(self, fn: Callable[[], None]) -> None:
+        """Runs `fn` at the start of every `should_commit()`, e.g. to start the
+        all-reduces a wrapper still owes the step."""
+        self._pre_commit.append(fn)
+
+    # -- the transaction ------------------------------------------------------------
+
+    def start_quorum(self, shrink_only: bool = False) -> None:
+        """Starts this step's quorum in the background; call it before the forward pass."""
+        self._wait_handles()
+        self._failure = None
+        self._abort.clear()
+        self._quorum_resolved = False
+        step = self._step
+        self._quorum_future = self._executor.submit(
+            self._client.quorum,
+            self.group_rank,
+            step,
+            self.timeouts.quorum,
+            self._host.address,
+            shrink_only,
+        )
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        then: Callable[[torch.Tensor], None] | None = None,
+    ) -> Handle:
+        """Starts averaging `tensor` in place over the participants; `then(tensor)`
+        runs once the average is in. Never raises for a peer's failure."""
+        quorum = self._resolve_quorum(tensor.device)
+        if quorum is None or not self.step_ok:
+            return self._remember(Handle(self, None, tensor, 1, then))
+        if quorum.heal:
+            tensor.zero_()
+        try:
+            pending = self._pg.allreduce(tensor, self._abort)
+        except CollectiveFailed as e:
+            self._fail(str(e))
+            return self._remember(Handle(self, None, tensor, 1, then))
+        return self._remember(Handle(self, pending, tensor, self.num_participants(), then))
+
+    def should_commit(self) -> bool:
+        """Votes this rank's "yes" (or "no" when the step failed) and returns the
+        group's decision. On True the caller applies the step (optimizer.step())."""
+        for fn in self._pre_commit:
+            fn()
+        self._wait_handles()
+        quorum = self._resolve_quorum(None)
+        if self._serving:
+            # Every healing peer fetched before it joined the collectives that just
+            # completed, so the state may change again from here on.
+            self._host.close(self.timeouts.heal)
+            self._serving = False
+        vote = quorum is not None and self.step_ok
+        try:
+            commit = self._client.should_commit(
+                self.group_rank, self._step, vote, self.timeouts.commit
+            )
+        except (TimeoutError, ConnectionError, ValueError) as e:
+            log.warning("commit vote of step %d failed: %s", self._step, e)
+            commit = False
+        if commit:
+            self._step += 1
+        else:
+            log.info("step %d not committed: %s", self._step, self._failure or "a rank voted no")
+            self._pg.reset()
+        return commit
+
+    # -- what a training loop may ask -----------------------------------------------
+
+    def current_step(self) -> int:
+        """Committed steps so far (after a heal: the peers' step)."""
+        return self._step
+
+    def num_participants(self) -> int:
+        """Groups whose contribution counts this step (healing groups add zeros)."""
+        q = self._quorum
+        if q is None:
+            return 0
+        if self._init_sync and q.max_step == 0:
+            return 1
+        return sum(1 for m in q.participants if m.step == q.max_step)
+
+    def is_participating(self) -> bool:
+        """Whether this group's contribution counts this step (it is not healing)."""
+        q = self._quorum
+        return q is not None and not q.heal
+
+    @property
+    def step_ok(self) -> bool:
+        return self._failure is None
+
+    @property
+    def quorum_id(self) -> int | None:
+        return None if self._quorum is None else self._quorum.quorum_id
+
+    def shutdown(self) -> None:
+        """Stops this rank's servers and threads; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._host.shutdown()
+        if self._server is not None:
+            self._server.shutdown()
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            log.warning("step %d failed: %s", self._step, reason)
+
+    def _remember(self, handle: Handle) -> Handle:
+        self._handles.append(handle)
+        return handle
+
+    def _wait_handles(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.wait()
+
+    def _resolve_quorum(self, device: torch.device | None) -> _core.QuorumResult | None:
+        """On the training thread, once per step: takes the quorum, rebuilds the
+        process group if it changed, heals or opens this rank's state to healers."""
+        if self._quorum_resolved:
+            return self._quorum if self.step_ok else None
+        self._quorum_resolved = True
+        if self._quorum_future is None:
+            raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
+        try:
+            quorum = self._quorum_future.result()
+        except Exception as e:  # the quorum call's own deadline bounds this wait
+            self._fail(f"no quorum: {e}")
+            self._quorum = None
+            return None
+        self._quorum = quorum
+        try:
+            self._pg.configure(
+                Membership(
+                    quorum.store_address,
+                    quorum.store_prefix,
+                    quorum.replica_rank,
+                    quorum.replica_world_size,
+                ),
+                backend_for(device or torch.device("cpu")),
+            )
+        except (RuntimeError, ValueError, dist.DistError) as e:
+            self._fail(f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
+            return None
+        if quorum.heal:
+            self._heal(quorum)
+        elif self._peers_heal_from_me(quorum):
+            self._open_state(quorum)
+        return quorum if self.step_ok else None
+
+    def _peers_heal_from_me(self, q: _core.QuorumResult) -> bool:
+        if self._init_sync and q.max_step == 0:
+            return q.replica_rank == 0 and q.replica_world_size > 1
+        return any(m.step < q.max_step for m in q.participants)
+
+    def _state(self) -> dict[str, Any]:
+        return {name: r.state_dict() for name, r in self._registered.items()}
+
+    def _open_state(self, q: _core.QuorumResult) -> None:
+        self._host.open(self._step, q.quorum_id, self._state())
+        self._serving = True
+
+    def _heal(self, q: _core.QuorumResult) -> None:
+        from phalanx.recovery import heal
+
+        sources = [s.state_address for s in q.recovery_sources]
+        if not sources:
+            self._fail(f"must heal to step {q.max_step} but no up-to-date peer serves it")
+            return
+        started = time.monotonic()
+        deadline = started + self.timeouts.heal
+        while True:
+            try:
+                state = heal(
+                    sources,
+                    q.max_step,
+                    q.quorum_id,
+                    self._state(),
+                    token=self._token,
+                    timeout=max(0.1, deadline - time.monotonic()),
+                )
+                break
+            except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
+                # The sources open their state when they reach this step's collectives;
+                # until then they refuse. Keep asking until the heal deadline.
+                if time.monotonic() >= deadline or self._abort.is_set():
+                    self._fail(f"heal to step {q.max_step} failed: {e}")
+                    return
+                time.sleep(0.02)
+        for name, registered in self._registered.items():
+            if name in state:
+                registered.load_state_dict(state[name])
+        log.info(
+            "healed to step %d from %d peer(s) in %.3f s",
+            q.max_step,
+            len(sources),
+            time.monotonic() - started,
+        )
+        self._step = q.max_step
+
+    def _watch_membership(self) -> None:
+        while not self._closed:
+            try:
+                event = self._client.next_event(timeout=0.5)
+            except (ConnectionError, TimeoutError):
+                time.sleep(0.1)
+                continue
+            q = self._quorum
+            if event is not None and q is not None and event.quorum_id == q.quorum_id:
+                self._abort.set()
+                self._fail(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")

@@ -1,0 +1,146 @@
+"""The fault-tolerant process group: torch.distributed collectives over the replica
+groups of the current quorum, rebuilt on every quorum change.
+
+A collective here never hangs and never raises into the training loop: it runs on a
+torch.distributed process group (gloo on CPU, NCCL on CUDA) with a deadline, and the
+wait for it can be cut short by an abort (a peer's crash pushed by the lighthouse).
+Either way the caller gets a failed result and discards the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo for CPU tensors, NCCL for CUDA ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Where and how this rank meets its peers in the other replica groups."""
+
+    store_address: str
+    prefix: str
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.store_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(
+                f"store address {self.store_address!r} is not host:port; every group's "
+                "rank 0 must host a rendezvous store (MASTER_ADDR:MASTER_PORT)"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+
+
+def _connect(membership: Membership, backend: str, timeout: timedelta) -> dist.ProcessGroup:
+    host, _, port = membership.store_address.rpartition(":")
+    store = dist.TCPStore(
+        host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False
+    )
+    store = dist.PrefixStore(membership.prefix, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, membership.rank, membership.world_size, options)
+    return dist.ProcessGroupGloo(store, membership.rank, membership.world_size, timeout)
+
+
+class CollectiveFailed(Exception):
+    """A collective did not complete: a peer died, timed out, or the step was aborted."""
+
+
+class FaultTolerantProcessGroup:
+    """Collectives among the same-numbered ranks of the replica groups in a quorum.
+
+    `configure()` builds a fresh torch.distributed process group for a membership;
+    `allreduce()` starts a sum and returns a `Pending` whose `wait()` raises
+    `CollectiveFailed` rather than hanging or crashing.
+    """
+
+    def __init__(self, timeout: float, connect: Callable[..., dist.ProcessGroup] = _connect):
+        self._timeout = timedelta(seconds=timeout)
+        self._connect = connect
+        self._membership: Membership | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._backend: str | None = None
+
+    @property
+    def membership(self) -> Membership | None:
+        return self._membership
+
+    def configure(self, membership: Membership, backend: str) -> None:
+        """Joins `membership`, dropping the previous process group (a dead peer may
+        still hold it; its own timeout ends it)."""
+        if membership == self._membership and backend == self._backend:
+            return
+        self._group = None
+        self._membership = None
+        self._group = self._connect(membership, backend, self._timeout)
+        self._membership = membership
+        self._backend = backend
+
+    def reset(self) -> None:
+        """Forgets the current process group, e.g. after a failed collective."""
+        self._group = None
+        self._membership = None
+
+    def allreduce(self, tensor: torch.Tensor, abort: threading.Event) -> Pending:
+        if self._group is None or self._membership is None:
+            raise CollectiveFailed("no process group: the quorum is not configured")
+        if self._membership.world_size == 1:
+            return Pending(None, abort, self._timeout.total_seconds())
+        try:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            work = self._group.allreduce([tensor], options)
+        except RuntimeError as e:
+            raise CollectiveFailed(f"all-reduce could not start: {e}") from e
+        return Pending(work, abort, self._timeout.total_seconds())
+
+
+class Pending:
+    """A started collective. `wait()` returns when it completes, or raises
+    `CollectiveFailed` at its deadline or as soon as `abort` is set."""
+
+    def __init__(self, work: dist.Work | None, abort: threading.Event, timeout: float):
+        self._work = work
+        self._abort = abort
+        self._timeout = timeout
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        if work is None:
+            self._done.set()
+            return
+        future = work.get_future()
+        future.add_done_callback(self._finished)
+
+    def _finished(self, future: torch.futures.Future) -> None:
+        try:
+            future.value()
+        except Exception as e:  # the collective's own failure, reported on wait()
+            self._error = e
+        self._done.set()
+
+    def wait(self) -> None:
+        deadline = self._timeout
+        slice_s = 0.05
+        waited = 0.0
+        while not self._done.wait(slice_s):
+            waited += slice_s
+            if self._abort.is_set():
+                raise CollectiveFailed("aborted: a replica group of the quorum died")
+            if waited >= deadline:
+                raise CollectiveFailed(f"all-reduce did not complete within {deadline:.1f} s")
+        if self._error is not None:
+            raise CollectiveFailed(f"all-reduce failed: {self._error}") from self._error
