@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import phalanx
+
 from conftest import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, child_env, cpu_seconds, http_get
 
 

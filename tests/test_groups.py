@@ -11,6 +11,7 @@ import signal
 import time
 
 import phalanx
+
 from conftest import HEARTBEAT_TIMEOUT, http_get, is_step, wait_until
 
 ABC = ["a", "b", "c"]

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import phalanx
+
 from conftest import HEARTBEAT_INTERVAL
 
 

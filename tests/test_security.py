@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import phalanx
+
 from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get
 
 TOKEN = "s3cret-token"

@@ -2,6 +2,8 @@
 
 phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
                    [--heartbeat-timeout 2s] [--token TOKEN]
+phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
+            [--max-restarts K] [--chaos kill-every=15s] -- train.py ARGS...
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ def _lighthouse(args: list[str]) -> int:
     return _core.run_lighthouse_cli(["phalanx lighthouse", *args])
 
 
+def _run(args: list[str]) -> int:
+    from phalanx import launcher
+
+    return launcher.main(args)
+
+
 COMMANDS = {
     "lighthouse": (_lighthouse, "run a job's lighthouse (quorum, liveness, status page)"),
+    "run": (_run, "start replica groups of a training script, restart failed ones"),
 }
 
 
@@ -33,9 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, summary) in COMMANDS.items():
         sub.add_parser(name, help=summary, add_help=False)
-    known, rest = parser.parse_known_args(argv)
-    run, _ = COMMANDS[known.command]
-    return run(rest)
+    if argv and argv[0] in COMMANDS:
+        # The command parses its own arguments, "--" and all.
+        run, _ = COMMANDS[argv[0]]
+        return run(argv[1:])
+    parser.parse_args(argv)
+    return 2
 
 
 if __name__ == "__main__":

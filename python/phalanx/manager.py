@@ -499,6 +499,8 @@ class Manager:
                 time.sleep(0.1)
                 continue
             q = self._quorum
+            if self._closed:
+                return
             if event is not None and q is not None and event.quorum_id == q.quorum_id:
                 self._abort.set()
                 self._fail(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")

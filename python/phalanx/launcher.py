@@ -1,0 +1,347 @@
+"""`phalanx run`: starts a job's replica groups, restarts a group that fails, and can
+inject failures on purpose.
+
+    phalanx run --replicas 3 --nproc-per-replica 2 -- train.py --lr 0.1
+
+Each group gets W rank processes with the usual environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/MASTER_PORT for the group's own store) and PHALANX_* for the
+job. Without --lighthouse, the launcher serves one itself; with it, the groups join
+that job, which is how a multi-host job is started (one `phalanx run --replicas 1
+--replica-id …` per host). A group is all or nothing: when one of its ranks dies, the
+rest are stopped and the group restarts (with backoff, up to --max-restarts times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import random
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from phalanx import _core
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in each child before exec: if the launcher dies, so does the child."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "15s", "500ms", "2m" or a plain number.
+
+    >>> parse_duration("15s"), parse_duration("500ms"), parse_duration("2m"), parse_duration("3")
+    (15.0, 0.5, 120.0, 3.0)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration; write e.g. 15s, 500ms or 2m")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return value * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
+
+
+@dataclass
+class Chaos:
+    """Failures injected on purpose: SIGKILL a random live group every `kill_every`
+    seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later."""
+
+    kill_every: float | None = None
+    hang_every: float | None = None
+    hang_for: float = 5.0
+
+    @classmethod
+    def parse(cls, specs: list[str]) -> Chaos:
+        """
+        >>> Chaos.parse(["kill-every=15s", "hang-every=1m,hang-for=3s"])
+        Chaos(kill_every=15.0, hang_every=60.0, hang_for=3.0)
+        """
+        chaos = cls()
+        for spec in specs:
+            for item in spec.split(","):
+                key, sep, value = item.partition("=")
+                name = key.strip().replace("-", "_")
+                if not sep or name not in ("kill_every", "hang_every", "hang_for"):
+                    raise ValueError(
+                        f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION "
+                        "or hang-for=DURATION"
+                    )
+                setattr(chaos, name, parse_duration(value))
+        return chaos
+
+
+@dataclass
+class Group:
+    """One replica group: its id, its rank processes, and its restart history."""
+
+    replica_id: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    restarts: int = 0
+    restart_at: float | None = None
+    done: bool = False
+    given_up: bool = False
+    stopped_until: float | None = None
+    #: Killed by --chaos: its restart does not count against --max-restarts.
+    chaos_killed: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, command: list[str]):
+        self.args = args
+        self.command = command
+        self.rng = random.Random(args.chaos_seed)
+        self.chaos = Chaos.parse(args.chaos)
+        self.lighthouse_server: _core.LighthouseServer | None = None
+        self.lighthouse = args.lighthouse
+        if args.replicas == 1 and args.replica_id:
+            ids = [args.replica_id]
+        else:
+            prefix = args.replica_id or "group"
+            ids = [f"{prefix}{i}" for i in range(args.replicas)]
+        self.groups = [Group(replica_id) for replica_id in ids]
+        self.selector = selectors.DefaultSelector()
+        self.stopping = False
+
+    def say(self, text: str) -> None:
+        print(f"[phalanx run] {text}", flush=True)
+
+    # -- processes ----------------------------------------------------------------
+
+    def start_group(self, group: Group) -> None:
+        port = _free_port()
+        world = self.args.nproc_per_replica
+        group.procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.args.master_addr,
+                "MASTER_PORT": str(port),
+                "PHALANX_LIGHTHOUSE": self.lighthouse,
+                "PHALANX_REPLICA_ID": group.replica_id,
+                "PYTHONUNBUFFERED": "1",
+            }
+            if self.args.token:
+                env["PHALANX_TOKEN"] = self.args.token
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+            os.set_blocking(proc.stdout.fileno(), False)
+            self.selector.register(proc.stdout, selectors.EVENT_READ, (group, rank, bytearray()))
+            group.procs.append(proc)
+        self.say(
+            f"started {group.replica_id} ({world} rank(s), pids "
+            f"{', '.join(str(p.pid) for p in group.procs)})"
+        )
+
+    def signal_group(self, group: Group, signum: int) -> None:
+        for p in group.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    def stop_group(self, group: Group, grace: float = 5.0) -> None:
+        self.signal_group(group, signal.SIGCONT)
+        self.signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in group.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.drain()
+
+    # -- output -------------------------------------------------------------------
+
+    def drain(self, timeout: float = 0.0) -> None:
+        for key, _ in self.selector.select(timeout):
+            group, rank, pending = key.data
+            try:
+                chunk = os.read(key.fileobj.fileno(), 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                if pending:
+                    self.emit(group, rank, bytes(pending))
+                self.selector.unregister(key.fileobj)
+                key.fileobj.close()
+                continue
+            pending += chunk
+            *lines, rest = pending.split(b"\n")
+            pending[:] = rest
+            for line in lines:
+                self.emit(group, rank, line)
+
+    def emit(self, group: Group, rank: int, line: bytes) -> None:
+        sys.stdout.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
+        sys.stdout.flush()
+
+    # -- the loop -----------------------------------------------------------------
+
+    def check_groups(self, now: float) -> None:
+        for group in self.groups:
+            if group.done or group.given_up:
+                continue
+            if group.restart_at is not None:
+                if now >= group.restart_at:
+                    group.restart_at = None
+                    self.start_group(group)
+                continue
+            codes = [p.poll() for p in group.procs]
+            if all(c == 0 for c in codes):
+                group.done = True
+                self.say(f"{group.replica_id} finished")
+            elif any(c not in (None, 0) for c in codes):
+                self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
+                self.stop_group(group)
+                if group.chaos_killed:
+                    group.chaos_killed = False
+                    group.restart_at = now + self.args.restart_backoff
+                    self.say(f"restarting {group.replica_id} (killed by chaos)")
+                    continue
+                if group.restarts >= self.args.max_restarts:
+                    group.given_up = True
+                    self.say(f"{group.replica_id} gave up after {group.restarts} restart(s)")
+                    continue
+                backoff = min(10.0, self.args.restart_backoff * 2**group.restarts)
+                group.restarts += 1
+                group.restart_at = now + backoff
+                self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
+
+    def inject(self, now: float, next_kill: float, next_hang: float) -> tuple[float, float]:
+        live = [g for g in self.groups if g.alive and g.stopped_until is None]
+        if self.chaos.kill_every and now >= next_kill:
+            next_kill = now + self.chaos.kill_every
+            if live:
+                victim = self.rng.choice(live)
+                self.say(f"chaos: SIGKILL {victim.replica_id}")
+                victim.chaos_killed = True
+                self.signal_group(victim, signal.SIGKILL)
+        if self.chaos.hang_every and now >= next_hang:
+            next_hang = now + self.chaos.hang_every
+            if live:
+                victim = self.rng.choice(live)
+                victim.stopped_until = now + self.chaos.hang_for
+                self.say(f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s")
+                self.signal_group(victim, signal.SIGSTOP)
+        for group in self.groups:
+            if group.stopped_until is not None and now >= group.stopped_until:
+                group.stopped_until = None
+                self.say(f"chaos: SIGCONT {group.replica_id}")
+                self.signal_group(group, signal.SIGCONT)
+        return next_kill, next_hang
+
+    def run(self) -> int:
+        if not self.lighthouse:
+            self.lighthouse_server = _core.LighthouseServer(
+                bind=self.args.lighthouse_bind,
+                min_replicas=self.args.min_replicas,
+                join_timeout=self.args.join_timeout,
+                heartbeat_timeout=self.args.heartbeat_timeout,
+                token=self.args.token,
+            )
+            self.lighthouse = self.lighthouse_server.address
+            self.say(
+                f"lighthouse at {self.lighthouse}; status page {self.lighthouse_server.status_url}"
+            )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        for group in self.groups:
+            self.start_group(group)
+        start = time.monotonic()
+        next_kill = start + (self.chaos.kill_every or 0)
+        next_hang = start + (self.chaos.hang_every or 0)
+        try:
+            while not self.stopping:
+                self.drain(0.1)
+                now = time.monotonic()
+                self.check_groups(now)
+                if all(g.done or g.given_up for g in self.groups):
+                    break
+                next_kill, next_hang = self.inject(now, next_kill, next_hang)
+        finally:
+            for group in self.groups:
+                self.stop_group(group)
+            if self.lighthouse_server is not None:
+                self.lighthouse_server.shutdown()
+        if self.stopping:
+            return 130
+        return 0 if all(g.done for g in self.groups) else 1
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.say(f"{signal.Signals(signum).name}: stopping every group")
+        self.stopping = True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx run",
+        description="Run a fault-tolerant training job: N replica groups of W ranks each.",
+        usage="phalanx run [options] -- COMMAND [ARGS...]",
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="replica groups to start")
+    parser.add_argument("--nproc-per-replica", type=int, default=1, help="ranks per group")
+    parser.add_argument("--lighthouse", help="join this job's lighthouse (HOST:PORT)")
+    parser.add_argument("--lighthouse-bind", default="127.0.0.1:0", help="embedded lighthouse")
+    parser.add_argument("--replica-id", help="the group's id (or the prefix of several)")
+    parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--restart-backoff", type=float, default=0.5, help="seconds, doubled")
+    parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--join-timeout", type=parse_duration, default=1.0)
+    parser.add_argument("--heartbeat-timeout", type=parse_duration, default=2.0)
+    parser.add_argument("--token", default=os.environ.get("PHALANX_TOKEN"))
+    parser.add_argument("--master-addr", default="127.0.0.1", help="host of the groups' stores")
+    parser.add_argument(
+        "--chaos", action="append", default=[], help="kill-every=15s, hang-every=…,hang-for=…"
+    )
+    parser.add_argument("--chaos-seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1 :]
+    else:
+        own, command = argv, []
+    parser = build_parser()
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("give the training command after --, e.g. -- train.py --lr 0.1")
+    if command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    if args.replicas < 1 or args.nproc_per_replica < 1:
+        parser.error("--replicas and --nproc-per-replica must be at least 1")
+    try:
+        Chaos.parse(args.chaos)
+    except ValueError as e:
+        parser.error(str(e))
+    return Launcher(args, command).run()

@@ -1,0 +1,143 @@
+"""`phalanx run`: real rank processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import TESTS, child_env
+
+RANK = str(TESTS / "launched_rank.py")
+
+
+def launch(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+
+
+def reports(stdout: str) -> list[tuple[str, dict]]:
+    """(prefix, json) of every line a rank printed."""
+    out = []
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition(" ")
+        if prefix.startswith("[") and rest.startswith("{"):
+            out.append((prefix, json.loads(rest)))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_every_rank_gets_its_environment_and_a_prefixed_output():
+    done = launch("--replicas", "2", "--nproc-per-replica", "2", "--", RANK, "0.2", "0")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = reports(done.stdout)
+    assert sorted(prefix for prefix, _ in seen) == [
+        "[group0/0]",
+        "[group0/1]",
+        "[group1/0]",
+        "[group1/1]",
+    ]
+    for prefix, env in seen:
+        group, rank = prefix.strip("[]").split("/")
+        assert env["PHALANX_REPLICA_ID"] == group
+        assert env["RANK"] == env["LOCAL_RANK"] == rank
+        assert env["WORLD_SIZE"] == "2"
+        assert env["PHALANX_LIGHTHOUSE"].startswith("127.0.0.1:")
+    ports = {env["PHALANX_REPLICA_ID"]: env["MASTER_PORT"] for _, env in seen}
+    assert ports["group0"] != ports["group1"], "each group has its own store"
+
+
+def test_a_failing_group_is_restarted_with_backoff_then_given_up():
+    done = launch("--max-restarts", "2", "--restart-backoff", "0.05", "--", RANK, "0", "3")
+
+    assert done.returncode == 1
+    assert len(reports(done.stdout)) == 3, "the first run and two restarts"
+    assert "gave up after 2 restart(s)" in done.stdout
+
+
+def test_chaos_kills_groups_and_the_launcher_brings_them_back():
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "run",
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "0",
+            "--chaos",
+            "kill-every=0.5s",
+            "--chaos-seed",
+            "7",
+            "--restart-backoff",
+            "0.05",
+            "--",
+            RANK,
+            "60",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while sum("chaos: SIGKILL" in line for line in lines) < 3:
+            assert time.monotonic() < deadline, "".join(lines)
+            lines.append(launcher.stdout.readline())
+        launcher.send_signal(signal.SIGTERM)
+        rest, _ = launcher.communicate(timeout=15)
+        log = "".join(lines) + rest
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    # Injected kills do not use up --max-restarts: every killed group came back.
+    assert "gave up" not in log
+    assert log.count("started group") >= 2 + 3 - 1, log
+
+
+def test_sigterm_stops_every_rank_and_leaves_no_orphan():
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    try:
+        pids = []
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            pids += [env["pid"] for _, env in reports(line)]
+        assert len(pids) == 2
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(15) == 130
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
