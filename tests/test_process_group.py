@@ -1,0 +1,90 @@
+"""The fault-tolerant process group: real gloo process groups over a real store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.process_group import (
+    CollectiveFailed,
+    FaultTolerantProcessGroup,
+    Membership,
+    backend_for,
+)
+
+from conftest import free_port
+
+
+def test_cpu_tensors_use_gloo_and_cuda_tensors_nccl():
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+
+
+@pytest.mark.parametrize(
+    ("address", "rank", "size", "message"),
+    [
+        ("no-port", 0, 1, "is not host:port"),
+        ("h:1", 2, 2, "rank 2 is outside a world of 2"),
+    ],
+)
+def test_a_bad_membership_is_refused_with_the_reason(address, rank, size, message):
+    with pytest.raises(ValueError, match=message):
+        Membership(address, "p", rank, size)
+
+
+def two_ranks(timeout: float = 10.0):
+    """Two fault-tolerant process groups of one world, as two replica groups' ranks."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    groups = [FaultTolerantProcessGroup(timeout) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=g.configure,
+            args=(Membership(f"127.0.0.1:{port}", "q1/r0", rank, 2), "gloo"),
+        )
+        for rank, g in enumerate(groups)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return store, groups
+
+
+def test_an_allreduce_sums_over_the_members():
+    store, groups = two_ranks()
+    tensors = [torch.full((4,), float(rank + 1)) for rank in range(2)]
+    pending = [g.allreduce(t, threading.Event()) for g, t in zip(groups, tensors, strict=True)]
+    for p in pending:
+        p.wait()
+    assert all(torch.equal(t, torch.full((4,), 3.0)) for t in tensors)
+    del store
+
+
+def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout():
+    store, groups = two_ranks(timeout=30.0)
+    abort = threading.Event()
+    # The peer never joins: without the abort this would wait 30 s.
+    pending = groups[0].allreduce(torch.ones(4), abort)
+    threading.Timer(0.2, abort.set).start()
+    started = time.monotonic()
+    with pytest.raises(CollectiveFailed, match="aborted"):
+        pending.wait()
+    assert time.monotonic() - started < 1.0
+    del store
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
+def test_an_nccl_process_group_builds_and_reduces_on_one_device():
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    group = FaultTolerantProcessGroup(10.0)
+    group.configure(Membership(f"127.0.0.1:{port}", "nccl", 0, 1), "nccl")
+    tensor = torch.ones(4, device="cuda")
+    group.allreduce(tensor, threading.Event()).wait()
+    assert torch.equal(tensor.cpu(), torch.ones(4))
+    del store
