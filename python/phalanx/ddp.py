@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.manager import Manager
@@ -29,9 +30,20 @@ class _Bucket:
         self.ready = 0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        manager.allreduce(flat, then=self._scatter)
+        ranks = manager.group_world_size
+        if ranks > 1:
+            # Inside the group first, even when the step failed, so that its ranks stay
+            # in step (a plain collective: a rank's death ends the group anyway), then
+            # across the groups of the quorum.
+            try:
+                manager.group_process_group().allreduce([flat]).wait()
+            except RuntimeError as e:
+                manager.report_error(f"all-reduce inside the group failed: {e}")
+        manager.allreduce(flat, then=lambda t: self._scatter(t, ranks))
 
-    def _scatter(self, flat: torch.Tensor) -> None:
+    def _scatter(self, flat: torch.Tensor, ranks: int) -> None:
+        if ranks > 1:
+            flat.div_(ranks)
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -75,6 +87,11 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self._manager = manager
+        if manager.group_world_size > 1:
+            # Every rank of the group starts from group rank 0's weights.
+            group = manager.group_process_group()
+            for tensor in module.state_dict().values():
+                group.broadcast([tensor], dist.BroadcastOptions()).wait()
         manager.register_state(name, module.state_dict, module.load_state_dict)
         params = [p for p in module.parameters() if p.requires_grad]
         self._buckets = [_Bucket(b) for b in _buckets(params, bucket_bytes)]

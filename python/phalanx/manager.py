@@ -215,6 +215,7 @@ class Manager:
 
         self._registered: dict[str, _Registered] = {}
         self._pre_commit: list[Callable[[], None]] = []
+        self._group_pg: dist.ProcessGroup | None = None
         self._step = 0
         self._quorum: _core.QuorumResult | None = None
         self._quorum_future: Future[_core.QuorumResult] | None = None
@@ -365,6 +366,24 @@ class Manager:
         """Whether this group's contribution counts this step (it is not healing)."""
         q = self._quorum
         return q is not None and not q.heal
+
+    def report_error(self, reason: str) -> None:
+        """Marks this step failed (its vote will be "no"), e.g. after a collective of
+        the caller's own failed."""
+        self._fail(reason)
+
+    def group_process_group(self) -> dist.ProcessGroup:
+        """A plain process group of this replica group's own W ranks (over the group's
+        store), for what stays inside the group. A rank's death ends the group anyway."""
+        if self._group_pg is None:
+            store = dist.PrefixStore("phalanx/group", self._store)
+            self._group_pg = dist.ProcessGroupGloo(
+                store,
+                self.group_rank,
+                self.group_world_size,
+                timedelta(seconds=self.timeouts.collective),
+            )
+        return self._group_pg
 
     @property
     def step_ok(self) -> bool:
