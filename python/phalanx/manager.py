@@ -390,6 +390,11 @@ class Manager:
         return self._failure is None
 
     @property
+    def failure(self) -> str | None:
+        """Why this step will not commit, if it will not."""
+        return self._failure
+
+    @property
     def quorum_id(self) -> int | None:
         return None if self._quorum is None else self._quorum.quorum_id
 
