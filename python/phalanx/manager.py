@@ -485,25 +485,20 @@ class Manager:
             self._fail(f"must heal to step {q.max_step} but no up-to-date peer serves it")
             return
         started = time.monotonic()
-        deadline = started + self.timeouts.heal
-        while True:
-            try:
-                state = heal(
-                    sources,
-                    q.max_step,
-                    q.quorum_id,
-                    self._state(),
-                    token=self._token,
-                    timeout=max(0.1, deadline - time.monotonic()),
-                )
-                break
-            except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
-                # The sources open their state when they reach this step's collectives;
-                # until then they refuse. Keep asking until the heal deadline.
-                if time.monotonic() >= deadline or self._abort.is_set():
-                    self._fail(f"heal to step {q.max_step} failed: {e}")
-                    return
-                time.sleep(0.02)
+        try:
+            # The sources publish their state when they reach this step's collectives;
+            # the fetch waits for that, within the heal deadline.
+            state = heal(
+                sources,
+                q.max_step,
+                q.quorum_id,
+                self._state(),
+                token=self._token,
+                timeout=self.timeouts.heal,
+            )
+        except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
+            self._fail(f"heal to step {q.max_step} failed: {e}")
+            return
         for name, registered in self._registered.items():
             if name in state:
                 registered.load_state_dict(state[name])
