@@ -256,3 +256,130 @@ def bench_heartbeats(
 ) -> int:
     """Benchmark load: `replicas` heartbeat streams beating `hz` times a second over
     `connections` connections for `duration` seconds. Returns the beats sent."""
+
+# -- checkpoint-free recovery: the state data path (used by phalanx.recovery) --------------
+
+class StateServer:
+    """A rank's state server: lends the memory of one committed step to healing peers.
+
+    Requests must carry the job token (when set) and name the published step and quorum
+    id; anything else is refused (I8). Memory is given as (address, length) pairs, e.g.
+    `(t.data_ptr(), t.numel() * t.element_size())` of contiguous CPU tensors, and is
+    read in place, never copied: it must stay alive and unchanged from `publish()`
+    until `withdraw()` (or `shutdown()`) returns.
+
+    >>> import torch
+    >>> t = torch.arange(4.0)
+    >>> with StateServer(bind="127.0.0.1:0") as server:
+    ...     server.publish(3, 1, b"{}", [(t.data_ptr(), 16)])
+    ...     dest = torch.zeros(4)
+    ...     stats = fetch_state([server.address], 3, 1, [(dest.data_ptr(), 16)])
+    ...     server.withdraw()
+    ...     (dest.tolist(), stats.bytes)
+    0
+    ([0.0, 1.0, 2.0, 3.0], 16)
+    """
+
+    def __init__(
+        self,
+        bind: str = "0.0.0.0:0",
+        advertise_host: str | None = None,
+        token: str | None = None,
+        max_bytes_per_s: float | None = None,
+        test_corrupt_chunks: int = 0,
+        test_corrupt_byte: int = 0,
+    ) -> None:
+        """`advertise_host`: the host peers use; by default the bind IP, or this
+        machine's hostname when bound to all interfaces. `max_bytes_per_s`: a cap on
+        what this server sends over all connections. `test_corrupt_*`: test only —
+        flip the byte at `test_corrupt_byte % chunk length` of the next
+        `test_corrupt_chunks` chunks on the wire (checksums stay those of the intact
+        bytes, so receivers must notice)."""
+    @property
+    def address(self) -> str:
+        """host:port for healing peers."""
+    @property
+    def serving(self) -> tuple[int, int] | None:
+        """(step, quorum id) published now, or None."""
+    @property
+    def served_bytes(self) -> int:
+        """Chunk bytes sent so far."""
+    def publish(
+        self, step: int, quorum_id: int, manifest: bytes, regions: list[tuple[int, int]]
+    ) -> None:
+        """Opens a window over `regions` for `step` of quorum `quorum_id`; `manifest` is
+        handed as it is to whoever asks. ValueError while another window is open."""
+    def withdraw(self, timeout: float = 5.0) -> int:
+        """Closes the window: new requests are refused at once, sends in flight get
+        `timeout` seconds, then are cut. Returns how many were cut; once it returns,
+        nothing reads the memory any more."""
+    def shutdown(self) -> None:
+        """Stops serving; sends in flight are cut. Idempotent."""
+    def __enter__(self) -> StateServer: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+class FetchStats:
+    """What a `fetch_state` moved, and from where."""
+
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def gb_per_s(self) -> float: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def refetches(self) -> int:
+        """Chunks fetched again: damaged on the way, or held by a source that failed."""
+    @property
+    def per_source_bytes(self) -> dict[str, int]:
+        """Bytes received intact from each source, in the order given."""
+    @property
+    def failed_sources(self) -> dict[str, str]:
+        """Sources dropped during the fetch, and why."""
+
+def fetch_state(
+    sources: list[str],
+    step: int,
+    quorum_id: int,
+    regions: list[tuple[int, int]],
+    token: str | None = None,
+    timeout: float = 60.0,
+    connections_per_source: int = 2,
+    chunk_bytes: int = 4 << 20,
+    stall_timeout: float = 10.0,
+) -> FetchStats:
+    """Fills `regions` ((address, length) pairs; region i receives the sources' region
+    i) from all `sources` at once: chunks of `chunk_bytes` striped over
+    `connections_per_source` connections to each source, read straight into place and
+    checked against their checksums. A damaged chunk is fetched again; a source that
+    fails, or sends nothing for `stall_timeout` s, is dropped and its chunks are
+    fetched from the others. Sources that have not published the step yet are waited
+    for. The memory must stay alive and untouched until this returns (it returns only
+    once nothing writes into it, Ctrl-C included).
+
+    Raises TimeoutError, ConnectionError (every source failed, or a chunk arrived
+    damaged 5 times), PermissionError (wrong token; a source that serves another
+    quorum or a later step) or ValueError (regions that differ from the sources',
+    overlapping regions)."""
+
+def fetch_manifest(
+    sources: list[str],
+    step: int,
+    quorum_id: int,
+    token: str | None = None,
+    timeout: float = 10.0,
+) -> bytes:
+    """The manifest published with `step` of quorum `quorum_id`, from whichever source
+    answers first; sources that have not published the step yet are asked again until
+    `timeout`. Raises like `fetch_state`."""
+
+def bench_raw_tcp(nbytes: int, connections: int = 2) -> float:
+    """Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback TCP
+    connections at once (blocking threads, no framing, no checksum)."""

@@ -1,5 +1,6 @@
 //! phalanx's Rust core: the quorum engine, the lighthouse, the per-group manager
-//! server, and (with the `python` feature) their Python bindings, `phalanx._core`.
+//! server, the state transfer of checkpoint-free recovery, and (with the `python`
+//! feature) their Python bindings, `phalanx._core`.
 
 pub mod auth;
 pub mod cli;
@@ -11,12 +12,15 @@ pub mod manager;
 pub mod proto;
 pub mod quorum;
 pub mod server;
+pub mod state;
 pub mod validate;
 
 pub use error::{Error, ErrorKind};
 
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "python")]
+mod python_state;
 
 /// Many small, short-lived allocations per request (strings, frames); mimalloc serves
 /// them with less contention than the system allocator.

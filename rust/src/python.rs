@@ -697,5 +697,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_lighthouse_cli, m)?)?;
     m.add_function(wrap_pyfunction!(bench_quorum_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(bench_heartbeats, m)?)?;
+    crate::python_state::register(m)?;
     Ok(())
 }

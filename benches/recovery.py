@@ -1,0 +1,339 @@
+"""Heal throughput: S MB of model-like state (a few hundred tensors of mixed sizes)
+healed from K source processes into a freshly started receiver process, against raw
+loopback TCP measured in the same run.
+
+    python benches/recovery.py --size-mb 1024 --sources 1
+
+Each source process builds the same state and serves it (phalanx.recovery.StateHost).
+Each receiver is a new process holding its own tensors of the same shapes, as a
+training process does; it times `heal()` from its start until every tensor is loaded
+in place and every chunk verified, and records its peak memory above what it held
+before. Bit-identity is checked afterwards (untimed) against the sources' digest.
+`raw_tcp_gb_per_s` is the best of plain TCP between two sockets with 2 and with as
+many connections as the heal uses, moving the same number of bytes.
+
+    python benches/recovery.py --size-mb 256 --sources 3 --link-mbit 2000   # as root
+
+puts each source in its own network namespace behind a veth link capped by tc, and
+compares the heal from K sources with the heal from one ("recovery_links").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from phalanx import _core
+from phalanx.recovery import StateHost, heal
+
+from harness import report
+
+QUORUM_ID = 1
+STEP = 100
+LAYERS = 24
+
+
+def model_like_shapes(size_mb: float) -> list[tuple[int, ...]]:
+    """A transformer-shaped mix: per layer 4 projection matrices, 2 MLP matrices,
+    biases and norms (12 tensors), then an embedding that brings the total to size."""
+    target = int(size_mb * 2**20) // 4  # float32 elements
+    d = 64
+    while LAYERS * 12 * (d + 64) ** 2 < target * 0.8:
+        d += 64
+    shapes: list[tuple[int, ...]] = []
+    for _ in range(LAYERS):
+        shapes += [(d, d)] * 4 + [(d,)] * 4  # q, k, v, out; their biases
+        shapes += [(4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # MLP up, down
+        shapes += [(d,), (d,), (d,), (d,)]  # two norms: weight, bias
+    used = sum(torch.Size(s).numel() for s in shapes)
+    shapes.append((max(1, (target - used) // d), d))  # embedding
+    return shapes
+
+
+def build_state(shapes: list[tuple[int, ...]], fill: bool) -> dict[str, torch.Tensor]:
+    """The tensors, touched. Sources fill them from a random block (fast, the same in
+    every source); receivers hold other values, as a stale or fresh rank does."""
+    block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    state = {}
+    for i, shape in enumerate(shapes):
+        t = torch.empty(shape)
+        flat = t.view(-1)
+        if fill:
+            for start in range(0, flat.numel(), block.numel()):
+                n = min(block.numel(), flat.numel() - start)
+                flat[start : start + n].copy_(block[:n]).add_(i)
+        else:
+            flat.fill_(-1.0)
+        state[f"layer.{i}"] = t
+    return state
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in state.values():
+        n = t.numel() * t.element_size()
+        h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())))
+    return h.hexdigest()
+
+
+def rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> bool:
+    """Resets VmHWM to the current RSS (Linux >= 4.0); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_source(args: argparse.Namespace) -> None:
+    state = build_state(model_like_shapes(args.size_mb), fill=True)
+    host = StateHost(bind=args.bind)
+    host.open(STEP, QUORUM_ID, {"model": state})
+    print(json.dumps({"address": host.address, "digest": digest(state)}), flush=True)
+    sys.stdin.read()  # serve until the driver closes our stdin
+    host.shutdown()
+
+
+def run_receiver(args: argparse.Namespace) -> None:
+    state = build_state(model_like_shapes(args.size_mb), fill=False)
+    before_kb = rss_kb("VmRSS")
+    exact_peak = reset_peak_rss()
+    stats = []
+    started = time.perf_counter()
+    healed = heal(
+        args.addresses.split(","),
+        STEP,
+        QUORUM_ID,
+        {"model": state},
+        timeout=300.0,
+        connections_per_source=args.connections_per_source,
+        report=stats.append,
+    )
+    seconds = time.perf_counter() - started
+    peak_kb = rss_kb("VmHWM") if exact_peak else rss_kb("VmRSS")
+    in_place = sum(healed["model"][k] is state[k] for k in state)
+    result = {
+        "seconds": seconds,
+        "bytes": stats[0].bytes,
+        "tensors": len(state),
+        "in_place": in_place,
+        "fetch_seconds": stats[0].seconds,
+        "refetches": stats[0].refetches,
+        "peak_extra_rss_mb": max(0, peak_kb - before_kb) / 1024,
+        "digest": digest(healed["model"]),
+    }
+    print(json.dumps(result), flush=True)
+
+
+def spawn(role: str, args: argparse.Namespace, *extra: str, prefix=()) -> subprocess.Popen:
+    argv = [sys.executable, __file__, "--role", role, "--size-mb", str(args.size_mb), *extra]
+    return subprocess.Popen(
+        [*prefix, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+    )
+
+
+@contextmanager
+def serving(args: argparse.Namespace, count: int, links: list[tuple[str, str]] | None = None):
+    """Starts `count` source processes (each in its own network namespace behind a
+    capped link when `links` is given); yields (addresses, digest); stops them."""
+    sources = []
+    try:
+        for i in range(count):
+            if links:
+                namespace, ip = links[i]
+                prefix = ("ip", "netns", "exec", namespace)
+                sources.append(spawn("source", args, "--bind", f"{ip}:0", prefix=prefix))
+            else:
+                sources.append(spawn("source", args))
+        served = [json.loads(p.stdout.readline()) for p in sources]
+        if len({s["digest"] for s in served}) != 1:
+            raise SystemExit("the sources built different states")
+        yield [s["address"] for s in served], served[0]["digest"]
+    finally:
+        for p in sources:
+            p.stdin.close()
+            p.wait(timeout=30)
+
+
+def heal_runs(args: argparse.Namespace, addresses: list[str], digest: str) -> list[dict]:
+    """Heals into `args.repeat` fresh receiver processes; checks every result."""
+    runs = []
+    for _ in range(args.repeat):
+        receiver = spawn(
+            "receiver",
+            args,
+            "--addresses",
+            ",".join(addresses),
+            "--connections-per-source",
+            str(args.connections_per_source),
+        )
+        out, _ = receiver.communicate(timeout=600)
+        if receiver.returncode != 0:
+            raise SystemExit(f"the receiver failed ({receiver.returncode})")
+        run = json.loads(out.strip().splitlines()[-1])
+        if run["digest"] != digest:
+            raise SystemExit("the healed state differs from the sources'")
+        runs.append(run)
+    return runs
+
+
+def drive(args: argparse.Namespace) -> None:
+    if args.link_mbit:
+        return drive_links(args)
+    with serving(args, args.sources) as (addresses, digest):
+        runs = heal_runs(args, addresses, digest)
+    nbytes = runs[0]["bytes"]
+    connections = args.sources * args.connections_per_source
+    raw = {}
+    for n in sorted({2, connections}):
+        raw[n] = min(_core.bench_raw_tcp(nbytes, n) for _ in range(3))
+    best_raw = nbytes / min(raw.values()) / 1e9
+    best = min(runs, key=lambda r: r["seconds"])
+    gb_per_s = nbytes / best["seconds"] / 1e9
+    median = nbytes / statistics.median(r["seconds"] for r in runs) / 1e9
+    rows = [
+        ("state", f"{nbytes / 2**20:.0f} MiB in {best['tensors']} tensors"),
+        ("sources x connections", f"{args.sources} x {args.connections_per_source}"),
+        ("heal runs (s)", ", ".join(f"{r['seconds']:.3f}" for r in runs)),
+        ("heal best / median GB/s", f"{gb_per_s:.2f} / {median:.2f}"),
+        ("of which the byte transfer (s)", f"{best['fetch_seconds']:.3f}"),
+        ("tensors filled in place", f"{best['in_place']} of {best['tensors']}"),
+        ("chunks fetched again", best["refetches"]),
+        ("peak extra RSS (MB)", max(r["peak_extra_rss_mb"] for r in runs)),
+        *[(f"raw TCP, {n} connections GB/s", nbytes / s / 1e9) for n, s in raw.items()],
+        ("ratio to raw", gb_per_s / best_raw),
+    ]
+    report(
+        "recovery: heal into a fresh process",
+        rows,
+        {
+            "bench": "recovery",
+            "state_mb": args.size_mb,
+            "sources": args.sources,
+            "seconds": round(best["seconds"], 4),
+            "gb_per_s": round(gb_per_s, 3),
+            "raw_tcp_gb_per_s": round(best_raw, 3),
+            "ratio_to_raw": round(gb_per_s / best_raw, 3),
+            "peak_extra_rss_mb": round(max(r["peak_extra_rss_mb"] for r in runs), 1),
+        },
+    )
+
+
+@contextmanager
+def capped_links(count: int, mbit: float):
+    """`count` network namespaces, each joined to this one by a veth pair whose
+    namespace end sends at most `mbit` Mbit/s (tc tbf): one link per source, as if each
+    source sat on its own network port. Yields [(namespace, source ip)]; removes all."""
+    tag = f"phx{os.getpid() % 100000}"
+    made = []
+    try:
+        for i in range(count):
+            ns, here, there = f"{tag}n{i}", f"{tag}a{i}", f"{tag}b{i}"
+            subnet = f"10.{200 + i}.{os.getpid() % 250}"
+            made.append(ns)
+            for cmd in (
+                f"ip netns add {ns}",
+                f"ip link add {here} type veth peer name {there}",
+                f"ip link set {there} netns {ns}",
+                f"ip addr add {subnet}.1/24 dev {here}",
+                f"ip link set {here} up",
+                f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",
+                f"ip netns exec {ns} ip link set {there} up",
+                f"ip netns exec {ns} ip link set lo up",
+                f"ip netns exec {ns} tc qdisc add dev {there} root tbf rate {mbit}mbit"
+                " burst 1mb latency 50ms",
+            ):
+                done = subprocess.run(cmd.split(), capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(
+                        f"cannot set up capped links: '{cmd}' failed ({done.stderr.strip()});"
+                        " run as root where network namespaces are allowed"
+                    )
+            made.append(here)
+        yield [(f"{tag}n{i}", f"10.{200 + i}.{os.getpid() % 250}.2") for i in range(count)]
+    finally:
+        for name in reversed(made):
+            if name.startswith(f"{tag}n"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            else:
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+def drive_links(args: argparse.Namespace) -> None:
+    """K sources behind K capped links against one source behind one: the heal should
+    add up the links (target: at least 0.8 K times one source)."""
+    with (
+        capped_links(args.sources, args.link_mbit) as links,
+        serving(args, args.sources, links) as (addresses, digest),
+    ):
+        by_count = {k: heal_runs(args, addresses[:k], digest) for k in sorted({1, args.sources})}
+    nbytes = by_count[1][0]["bytes"]
+    gbps = {k: nbytes / min(r["seconds"] for r in runs) / 1e9 for k, runs in by_count.items()}
+    speedup = gbps[args.sources] / gbps[1]
+    rows = [
+        ("state", f"{nbytes / 2**20:.0f} MiB"),
+        ("link cap per source (Mbit/s)", args.link_mbit),
+        *[(f"{k} source(s) GB/s", v) for k, v in gbps.items()],
+        (f"speedup of {args.sources} sources (target {0.8 * args.sources:.1f})", speedup),
+    ]
+    report(
+        "recovery: K sources over capped links",
+        rows,
+        {
+            "bench": "recovery_links",
+            "state_mb": args.size_mb,
+            "sources": args.sources,
+            "link_mbit": args.link_mbit,
+            "one_source_gb_per_s": round(gbps[1], 3),
+            "gb_per_s": round(gbps[args.sources], 3),
+            "speedup": round(speedup, 3),
+        },
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=1024)
+    parser.add_argument("--sources", type=int, default=1)
+    parser.add_argument("--connections-per-source", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="fresh receivers, best reported")
+    parser.add_argument("--role", choices=["driver", "source", "receiver"], default="driver")
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="put each source behind its own veth link capped at this rate (needs root)",
+    )
+    parser.add_argument("--addresses", default="")
+    parser.add_argument("--bind", default="127.0.0.1:0")
+    args = parser.parse_args()
+    {"driver": drive, "source": run_source, "receiver": run_receiver}[args.role](args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

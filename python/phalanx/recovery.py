@@ -1,0 +1,534 @@
+"""Checkpoint-free recovery: every rank serves the state of its last committed step
+from memory, and a healing rank streams it from all up-to-date peers at once,
+straight into its own tensors.
+
+- `StateHost` (one per rank) lends the registered state to healing peers for one
+  step of one quorum at a time: `open()` publishes it without copying CPU tensors,
+  `close()` returns once nobody reads it any more, so training may change it again.
+- `heal()` fetches the manifest (the structure of the state, in a typed JSON
+  encoding — never pickle) and then every tensor's bytes, striped over all sources,
+  each chunk checked against its checksum. A tensor of the local state with the same
+  path, dtype and shape receives its bytes in place; any other is allocated.
+
+Only ranks that present the job token and name the published step and quorum id are
+served (I8); every wait has a deadline (I6).
+
+>>> import torch
+>>> from phalanx.recovery import StateHost, heal
+>>> model = {"weight": torch.arange(6.0).reshape(2, 3), "step": 7}
+>>> with StateHost(bind="127.0.0.1:0", token="s3cret") as host:
+...     host.open(step=7, quorum_id=1, state={"model": model})
+...     healed = heal([host.address], step=7, quorum_id=1, state={"model": {}}, token="s3cret")
+...     host.close()
+0
+>>> healed["model"]["step"], healed["model"]["weight"].tolist()
+(7, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from phalanx import _core
+
+__all__ = ["IncompatibleStateError", "StateHost", "heal"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "phalanx-state/1"
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+_SENDABLE = (
+    "tensors, dict, list, tuple, int, float, bool, str, bytes, None, torch.dtype, torch.Size"
+)
+
+
+class IncompatibleStateError(ValueError):
+    """The state the sources serve cannot be loaded into this rank's state."""
+
+
+# -- encoding (the serving side) ---------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _servable(tensor: torch.Tensor, path: str) -> torch.Tensor:
+    """The tensor whose memory is lent: itself when it is a dense, contiguous CPU
+    tensor, else a contiguous CPU copy made now (kept until `close()`)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(
+            f"cannot serve {path!r}: a {tensor.layout} tensor"
+            f"{' (quantized)' if tensor.is_quantized else ''}; convert it to a dense tensor"
+            " in your state_dict function"
+        )
+    if tensor.device.type == "cuda":
+        # Sockets read host memory: GPU state is staged once per open(), pinned so the
+        # copy runs at full PCIe speed.
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        staged.copy_(tensor)
+        return staged
+    if tensor.device.type != "cpu":
+        raise TypeError(
+            f"cannot serve {path!r}: it lives on {tensor.device}; move it to CPU or CUDA in"
+            " your state_dict function"
+        )
+    # A conjugate or negative view holds other values in memory than it shows.
+    tensor = tensor.resolve_conj().resolve_neg()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+class _Encoder:
+    """Turns a state structure into a JSON-safe tree plus the tensors to lend."""
+
+    def __init__(self) -> None:
+        self.table: list[dict[str, Any]] = []
+        self.lent: list[torch.Tensor] = []
+
+    def tensor(self, tensor: torch.Tensor, path: str) -> dict[str, Any]:
+        lent = _servable(tensor, path)
+        self.table.append(
+            {
+                "path": path,
+                "dtype": _dtype_name(lent.dtype),
+                "shape": list(lent.shape),
+                "nbytes": _nbytes(lent),
+            }
+        )
+        self.lent.append(lent)
+        return {"t": "tensor", "index": len(self.table) - 1}
+
+    def value(self, value: Any, path: str) -> dict[str, Any]:
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, Mapping):
+            return self.mapping(value, path)
+        if isinstance(value, torch.Size):
+            return {"t": "size", "v": list(value)}
+        if isinstance(value, (list, tuple)):
+            kind = "list" if isinstance(value, list) else "tuple"
+            return {"t": kind, "v": [self.value(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        return _scalar(value, path)
+
+    def mapping(self, value: Mapping, path: str) -> dict[str, Any]:
+        items = [
+            [_scalar(k, f"{path} (a key)"), self.value(v, f"{path}/{k}")] for k, v in value.items()
+        ]
+        node: dict[str, Any] = {
+            "t": "odict" if isinstance(value, OrderedDict) else "dict",
+            "v": items,
+        }
+        # nn.Module.state_dict() keeps per-module versions here; load_state_dict reads them.
+        metadata = getattr(value, "_metadata", None)
+        if isinstance(value, OrderedDict) and isinstance(metadata, Mapping):
+            node["meta"] = self.value(metadata, f"{path}/_metadata")
+        return node
+
+
+def _scalar(value: Any, path: str) -> dict[str, Any]:
+    if value is None:
+        return {"t": "none"}
+    if isinstance(value, bool):
+        return {"t": "bool", "v": value}
+    if isinstance(value, int):
+        return {"t": "int", "v": int(value)}
+    if isinstance(value, float):
+        # Hex keeps every bit, inf and nan included.
+        return {"t": "float", "v": float(value).hex()}
+    if isinstance(value, str):
+        return {"t": "str", "v": str(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"t": "bytes", "v": base64.b64encode(value).decode()}
+    if isinstance(value, torch.dtype):
+        return {"t": "dtype", "v": _dtype_name(value)}
+    raise TypeError(
+        f"cannot serve {path!r}: a {type(value).__name__} is not one of the types phalanx"
+        f" sends ({_SENDABLE}); convert it in your state_dict function"
+    )
+
+
+def encode_state(state: Mapping[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
+    """The manifest of `state` and the tensors whose bytes follow it, in index order."""
+    encoder = _Encoder()
+    tree = {}
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state names must be strings, got {name!r}")
+        tree[name] = encoder.value(value, name)
+    manifest = {"format": MANIFEST_FORMAT, "tensors": encoder.table, "state": tree}
+    return json.dumps(manifest, separators=(",", ":")).encode(), encoder.lent
+
+
+# -- decoding (the healing side) ---------------------------------------------------------
+
+
+def _malformed(path: str, why: str) -> IncompatibleStateError:
+    return IncompatibleStateError(
+        f"the manifest is malformed at {path!r}: {why}; run the same phalanx version on every rank"
+    )
+
+
+def _expect(node: Any, kind: type, path: str) -> Any:
+    value = node.get("v") if isinstance(node, dict) else None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _malformed(path, f"expected a {kind.__name__} value, got {value!r}")
+    return value
+
+
+def _float(node: dict, path: str) -> float:
+    try:
+        return float.fromhex(_expect(node, str, path))
+    except ValueError:
+        raise _malformed(path, "not a hex float") from None
+
+
+def _bytes(node: dict, path: str) -> bytes:
+    try:
+        return base64.b64decode(_expect(node, str, path), validate=True)
+    except ValueError:
+        raise _malformed(path, "not base64") from None
+
+
+def _dtype(name: Any, path: str) -> torch.dtype:
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise IncompatibleStateError(
+            f"{path!r} has dtype {name!r}, unknown to this torch {torch.__version__}; run the"
+            " same torch version on every rank"
+        )
+    return dtype
+
+
+_SCALARS: dict[str, Callable[[dict, str], Any]] = {
+    "none": lambda node, path: None,
+    "bool": lambda node, path: _expect(node, bool, path),
+    "int": lambda node, path: _expect(node, int, path),
+    "float": _float,
+    "str": lambda node, path: _expect(node, str, path),
+    "bytes": _bytes,
+    "dtype": lambda node, path: _dtype(node.get("v"), path),
+    "size": lambda node, path: torch.Size([int(n) for n in _expect(node, list, path)]),
+}
+
+
+def _child(local: Any, key: Any) -> Any:
+    """The part of the local state at `key`, if there is one."""
+    try:
+        if isinstance(local, Mapping):
+            return local.get(key)
+        if isinstance(local, (list, tuple)) and isinstance(key, int):
+            return local[key] if 0 <= key < len(local) else None
+    except TypeError:  # an unhashable or odd key: nothing to reuse
+        pass
+    return None
+
+
+class _Receiver:
+    """Picks, for every tensor of the manifest, the memory its bytes go to."""
+
+    def __init__(self, table: Any) -> None:
+        if not isinstance(table, list):
+            raise _malformed("tensors", "not a list")
+        self.table = table
+        self.dest: list[torch.Tensor | None] = [None] * len(table)
+        self.device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._claimed: list[tuple[int, int]] = []  # sorted (start, end) of reused memory
+        self.reused = 0
+
+    def tensor(self, node: dict, local: Any, path: str) -> torch.Tensor:
+        index = node.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(self.table):
+            raise _malformed(path, f"tensor index {index!r} outside the table")
+        if self.dest[index] is not None:
+            raise _malformed(path, f"tensor {index} appears twice")
+        entry = self.table[index]
+        if not isinstance(entry, dict):
+            raise _malformed(path, f"tensor {index} is described by {type(entry).__name__}")
+        dtype = _dtype(entry.get("dtype"), path)
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise _malformed(path, f"bad shape {shape!r}")
+        expected = torch.Size(shape).numel() * dtype.itemsize
+        if entry.get("nbytes") != expected:
+            raise _malformed(path, f"{entry.get('nbytes')!r} bytes for {dtype} of shape {shape}")
+        result = self._destination(local, dtype, torch.Size(shape))
+        if isinstance(local, torch.Tensor) and local.is_cuda and result is local:
+            staged = torch.empty(shape, dtype=dtype, pin_memory=True)
+            self.device_copies.append((staged, local))
+            self.dest[index] = staged
+        else:
+            self.dest[index] = result
+        return result
+
+    def _destination(self, local: Any, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        if self._reusable(local, dtype, shape):
+            self.reused += 1
+            return local
+        return torch.empty(shape, dtype=dtype)
+
+    def _reusable(self, local: Any, dtype: torch.dtype, shape: torch.Size) -> bool:
+        if not (
+            isinstance(local, torch.Tensor)
+            and local.dtype == dtype
+            and local.shape == shape
+            and local.layout == torch.strided
+            and local.device.type in ("cpu", "cuda")
+            and local.is_contiguous()
+            and not local.is_conj()
+            and not local.is_neg()
+        ):
+            return False
+        if local.is_cuda or _nbytes(local) == 0:
+            return True
+        # Two paths sharing memory (tied weights) must not both be written in place.
+        start = local.data_ptr()
+        span = (start, start + _nbytes(local))
+        at = bisect.bisect_left(self._claimed, span)
+        if at > 0 and self._claimed[at - 1][1] > start:
+            return False
+        if at < len(self._claimed) and self._claimed[at][0] < span[1]:
+            return False
+        self._claimed.insert(at, span)
+        return True
+
+    def regions(self) -> list[tuple[int, int]]:
+        missing = [i for i, t in enumerate(self.dest) if t is None]
+        if missing:
+            raise _malformed(f"tensors[{missing[0]}]", "listed but not part of the state")
+        return [(t.data_ptr(), _nbytes(t)) for t in self.dest]
+
+
+def _decode(node: Any, local: Any, path: str, rx: _Receiver) -> Any:
+    if not isinstance(node, dict):
+        raise _malformed(path, f"expected an entry, got {type(node).__name__}")
+    kind = node.get("t")
+    if kind in _SCALARS:
+        return _SCALARS[kind](node, path)
+    if kind == "tensor":
+        return rx.tensor(node, local, path)
+    if kind in ("list", "tuple"):
+        items = [
+            _decode(child, _child(local, i), f"{path}/{i}", rx)
+            for i, child in enumerate(_expect(node, list, path))
+        ]
+        return items if kind == "list" else tuple(items)
+    if kind in ("dict", "odict"):
+        return _decode_mapping(node, local, path, rx)
+    raise _malformed(path, f"unknown entry type {kind!r}")
+
+
+def _decode_key(node: Any, path: str) -> Any:
+    kind = node.get("t") if isinstance(node, dict) else None
+    if kind not in _SCALARS:
+        raise _malformed(path, f"a mapping key of type {kind!r}")
+    return _SCALARS[kind](node, path)
+
+
+def _decode_mapping(node: dict, local: Any, path: str, rx: _Receiver) -> dict:
+    out: dict = OrderedDict() if node["t"] == "odict" else {}
+    for pair in _expect(node, list, path):
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise _malformed(path, "a mapping item is not a [key, value] pair")
+        key_node, value_node = pair
+        key = _decode_key(key_node, f"{path} (a key)")
+        out[key] = _decode(value_node, _child(local, key), f"{path}/{key}", rx)
+    if "meta" in node and isinstance(out, OrderedDict):
+        out._metadata = _decode(node["meta"], None, f"{path}/_metadata", rx)  # type: ignore[attr-defined]
+    return out
+
+
+def _parse(manifest: bytes) -> dict[str, Any]:
+    try:
+        parsed = json.loads(manifest)
+    except ValueError as e:
+        raise _malformed("", f"not JSON ({e})") from None
+    if not isinstance(parsed, dict) or parsed.get("format") != MANIFEST_FORMAT:
+        found = parsed.get("format") if isinstance(parsed, dict) else None
+        raise IncompatibleStateError(
+            f"the sources serve state format {found!r}, this rank reads {MANIFEST_FORMAT!r};"
+            " run the same phalanx version on every rank"
+        )
+    if not isinstance(parsed.get("state"), dict):
+        raise _malformed("state", "not a mapping of names")
+    return parsed
+
+
+def _check_names(served: Mapping[str, Any], local: Mapping[str, Any]) -> None:
+    missing = [n for n in local if n not in served]
+    extra = [n for n in served if n not in local]
+    if missing or extra:
+        raise IncompatibleStateError(
+            f"the sources serve state {sorted(served)}, this rank registered {sorted(local)}"
+            f" (missing: {missing}, unexpected: {extra}); register the same names on every rank"
+        )
+
+
+# -- the public API ----------------------------------------------------------------------
+
+
+class StateHost:
+    """Serves this rank's state to healing peers, one committed step at a time.
+
+    Between `open()` and `close()` the published tensors must not change: the
+    server reads them while peers fetch. CPU tensors that are dense and contiguous
+    are served from their own memory (no copy); other tensors (non-contiguous views,
+    CUDA tensors) from a copy made at `open()`.
+    """
+
+    def __init__(
+        self,
+        bind: str = "0.0.0.0:0",
+        advertise_host: str | None = None,
+        token: str | None = None,
+        *,
+        max_bytes_per_s: float | None = None,
+        test_corrupt_chunks: int = 0,
+        test_corrupt_byte: int = 0,
+    ) -> None:
+        """`bind`: "host:port" to listen on (port 0: any free one). `advertise_host`:
+        the host peers should use, by default the bind IP, or this machine's hostname
+        when bound to all interfaces. `token`: the job token peers must present.
+        `max_bytes_per_s`: a cap on what this rank sends, to leave a shared link to
+        the training collectives. `test_corrupt_*`: test only — damage that many
+        chunks on the wire (at byte `test_corrupt_byte % chunk length`)."""
+        self._server = _core.StateServer(
+            bind=bind,
+            advertise_host=advertise_host,
+            token=token,
+            max_bytes_per_s=max_bytes_per_s,
+            test_corrupt_chunks=test_corrupt_chunks,
+            test_corrupt_byte=test_corrupt_byte,
+        )
+        self._lent: list[torch.Tensor] = []
+
+    @property
+    def address(self) -> str:
+        """host:port that healing peers fetch from."""
+        return self._server.address
+
+    @property
+    def serving(self) -> tuple[int, int] | None:
+        """(step, quorum id) open now, or None."""
+        return self._server.serving
+
+    @property
+    def served_bytes(self) -> int:
+        """Tensor bytes sent to peers so far."""
+        return self._server.served_bytes
+
+    def open(self, step: int, quorum_id: int, state: Mapping[str, Any]) -> None:
+        """Lends `state` (name -> state_dict-like structure) to peers that heal to
+        `step` in quorum `quorum_id`, until `close()`. Raises TypeError for a value
+        that cannot be sent and ValueError while another step is still open."""
+        manifest, lent = encode_state(state)
+        regions = [(t.data_ptr(), _nbytes(t)) for t in lent]
+        self._server.publish(step, quorum_id, manifest, regions)
+        # The server reads these until close(): hold them (and any copies) that long.
+        self._lent = lent
+
+    def close(self, timeout: float = 5.0) -> int:
+        """Stops lending: new requests are refused at once, transfers in flight get
+        `timeout` seconds and are cut after it. When it returns, nothing reads the
+        state any more. Returns how many transfers were cut."""
+        cut = self._server.withdraw(timeout)
+        self._lent = []
+        return cut
+
+    def shutdown(self) -> None:
+        """Stops serving (transfers in flight are cut). Idempotent."""
+        self._server.shutdown()
+        self._lent = []
+
+    def __enter__(self) -> StateHost:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+def heal(
+    sources: Sequence[str],
+    step: int,
+    quorum_id: int,
+    state: Mapping[str, Any],
+    token: str | None = None,
+    timeout: float = 60.0,
+    *,
+    connections_per_source: int = 2,
+    report: Callable[[_core.FetchStats], None] | None = None,
+) -> dict[str, Any]:
+    """Fetches the state of `step` in quorum `quorum_id` from all `sources` (their
+    `StateHost.address`) at once and returns it as {name: structure}.
+
+    Every tensor of `state` (this rank's current state, by the same names) that has
+    the path, dtype and shape of a served tensor and is contiguous receives its bytes
+    in place and comes back as the same object; any other tensor is allocated (a
+    fresh optimizer has no state yet). Non-tensor values come back decoded.
+
+    Sources that have not published the step yet are waited for, up to `timeout`
+    seconds in all. Raises TimeoutError, ConnectionError (every source failed),
+    PermissionError (wrong token, or the sources serve another step or quorum) or
+    IncompatibleStateError (a ValueError: the served state cannot fit this rank's).
+    On an error, tensors reused in place may hold a mix of old and new bytes: heal
+    again before using them. `report`, if given, receives the transfer's statistics.
+    """
+    deadline = time.monotonic() + timeout
+    sources = list(sources)
+    manifest = _parse(_core.fetch_manifest(sources, step, quorum_id, token=token, timeout=timeout))
+    served = manifest["state"]
+    _check_names(served, state)
+    rx = _Receiver(manifest.get("tensors"))
+    healed = {name: _decode(node, state.get(name), name, rx) for name, node in served.items()}
+    regions = rx.regions()
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no time left to fetch step {step} after its manifest ({timeout} s)")
+    stats = _core.fetch_state(
+        sources,
+        step,
+        quorum_id,
+        regions,
+        token=token,
+        timeout=left,
+        connections_per_source=connections_per_source,
+    )
+    for staged, target in rx.device_copies:
+        target.copy_(staged)
+    log.info(
+        "healed step %d: %.1f MB (%d of %d tensors in place) from %d source(s) in %.3f s"
+        " (%.2f GB/s), %d chunk(s) fetched again",
+        step,
+        stats.bytes / 1e6,
+        rx.reused,
+        len(regions),
+        len(sources),
+        stats.seconds,
+        stats.gb_per_s,
+        stats.refetches,
+    )
+    if report is not None:
+        report(stats)
+    return healed

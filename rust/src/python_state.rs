@@ -1,0 +1,409 @@
+//! `phalanx._core` bindings of checkpoint-free recovery's data path: a rank's state
+//! server, and the fetch a healing rank runs. `phalanx.recovery` builds on them.
+//!
+//! Transfers run on their own runtime, so a heal moving gigabytes never delays the
+//! heartbeats and quorum calls of the control runtime (a late heartbeat reads as a
+//! dead group). Memory is passed as (address, length) pairs of tensors that the
+//! Python side keeps alive; the calls below never return while a task of theirs may
+//! still touch that memory, Ctrl-C included.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use pyo3::exceptions::{
+    PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use tokio::runtime::Runtime;
+use tokio::sync::oneshot;
+
+use crate::auth::JobToken;
+use crate::state::{
+    self, baseline, Corruption, DestRegion, FetchOptions, ServerOptions, SourceRegion, StateError,
+};
+use crate::ErrorKind;
+
+/// How often a blocking call wakes up to let Ctrl-C through.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+fn runtime() -> &'static Runtime {
+    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        // Loopback and NIC copies are CPU work: one worker per core, within reason.
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .thread_name("phalanx-state")
+            .enable_all()
+            .build()
+            .expect("cannot start the phalanx state runtime")
+    })
+}
+
+fn to_py(e: StateError) -> PyErr {
+    let message = e.message.clone();
+    match e.kind() {
+        ErrorKind::Timeout => PyTimeoutError::new_err(message),
+        ErrorKind::Connection => PyConnectionError::new_err(message),
+        ErrorKind::Permission => PyPermissionError::new_err(message),
+        ErrorKind::InvalidInput => PyValueError::new_err(message),
+        ErrorKind::Other => PyRuntimeError::new_err(message),
+    }
+}
+
+/// What to do with a task when Ctrl-C arrives while Python waits for it.
+enum OnInterrupt {
+    /// It touches no Python memory: drop it.
+    Abort,
+    /// It writes into Python memory: ask it to stop, then wait until it has.
+    Cancel(oneshot::Sender<()>),
+    /// It reads Python memory and ends soon on its own: wait for it.
+    Finish,
+}
+
+/// Runs `fut` as its own task on the state runtime and waits for it without the GIL.
+fn wait<T: Send + 'static>(
+    py: Python<'_>,
+    fut: impl Future<Output = Result<T, StateError>> + Send + 'static,
+    mut on_interrupt: OnInterrupt,
+) -> PyResult<T> {
+    let mut task = runtime().spawn(fut);
+    loop {
+        let step = py.detach(|| {
+            runtime().block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut task).await })
+        });
+        match step {
+            Ok(Ok(result)) => return result.map_err(to_py),
+            Ok(Err(e)) => {
+                return Err(PyRuntimeError::new_err(format!(
+                    "a phalanx state task failed: {e}"
+                )))
+            }
+            Err(_) => {
+                let Err(interrupt) = py.check_signals() else {
+                    continue;
+                };
+                match std::mem::replace(&mut on_interrupt, OnInterrupt::Abort) {
+                    OnInterrupt::Abort => task.abort(),
+                    OnInterrupt::Cancel(cancel) => {
+                        let _ = cancel.send(());
+                        let _ = py.detach(|| runtime().block_on(&mut task));
+                    }
+                    OnInterrupt::Finish => {
+                        let _ = py.detach(|| runtime().block_on(&mut task));
+                    }
+                }
+                return Err(interrupt);
+            }
+        }
+    }
+}
+
+fn unsigned(name: &str, value: i64) -> PyResult<u64> {
+    u64::try_from(value)
+        .map_err(|_| PyValueError::new_err(format!("{name} must be 0 or more, got {value}")))
+}
+
+fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if !value.is_finite() || value < 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a number of seconds, 0 or more, got {value}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// Checks (address, length) pairs from Python before they become memory regions.
+fn regions(pairs: &[(usize, usize)]) -> PyResult<()> {
+    for (i, &(addr, len)) in pairs.iter().enumerate() {
+        if len > 0 && addr == 0 {
+            return Err(PyValueError::new_err(format!(
+                "region {i} has {len} bytes but no address (a null data_ptr)"
+            )));
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(PyValueError::new_err(format!(
+                "region {i} ({addr:#x}, {len} bytes) wraps around memory"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A rank's state server: serves one committed step at a time, from memory.
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct StateServer {
+    inner: Mutex<Option<Arc<state::StateServer>>>,
+    #[pyo3(get)]
+    address: String,
+}
+
+impl StateServer {
+    fn server(&self) -> PyResult<Arc<state::StateServer>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                PyValueError::new_err("this state server was shut down; start a new one")
+            })
+    }
+}
+
+#[pymethods]
+impl StateServer {
+    #[new]
+    #[pyo3(signature = (bind = "0.0.0.0:0", advertise_host = None, token = None, max_bytes_per_s = None, test_corrupt_chunks = 0, test_corrupt_byte = 0))]
+    fn new(
+        py: Python<'_>,
+        bind: &str,
+        advertise_host: Option<String>,
+        token: Option<String>,
+        max_bytes_per_s: Option<f64>,
+        test_corrupt_chunks: u64,
+        test_corrupt_byte: u64,
+    ) -> PyResult<Self> {
+        let options = ServerOptions {
+            bind: bind.to_string(),
+            advertise_host,
+            token: JobToken::new(token),
+            max_bytes_per_s,
+            test_corruption: (test_corrupt_chunks > 0).then_some(Corruption {
+                chunks: test_corrupt_chunks,
+                byte: test_corrupt_byte,
+            }),
+        };
+        let server = wait(py, state::StateServer::bind(options), OnInterrupt::Abort)?;
+        Ok(StateServer {
+            address: server.address().to_string(),
+            inner: Mutex::new(Some(Arc::new(server))),
+        })
+    }
+
+    /// Opens a window over `regions` ((address, length) pairs) for `step` of quorum
+    /// `quorum_id`.
+    fn publish(
+        &self,
+        step: i64,
+        quorum_id: i64,
+        manifest: &[u8],
+        regions: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
+        let quorum_id = unsigned("quorum_id", quorum_id)?;
+        self::regions(&regions)?;
+        // SAFETY: the caller keeps the memory alive and unchanged until withdraw() or
+        // shutdown() returns (phalanx.recovery.StateHost holds the tensors that long).
+        let regions = regions
+            .into_iter()
+            .map(|(addr, len)| unsafe { SourceRegion::new(addr, len) })
+            .collect();
+        self.server()?
+            .publish(step, quorum_id, manifest.to_vec(), regions)
+            .map_err(to_py)
+    }
+
+    /// Closes the window; waits up to `timeout` s for sends in flight, then cuts
+    /// them. Returns how many were cut.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn withdraw(&self, py: Python<'_>, timeout: f64) -> PyResult<usize> {
+        let grace = seconds("timeout", timeout)?;
+        let server = self.server()?;
+        wait(
+            py,
+            async move { server.withdraw(grace).await },
+            OnInterrupt::Finish,
+        )
+    }
+
+    /// (step, quorum id) published now, or None.
+    #[getter]
+    fn serving(&self) -> PyResult<Option<(i64, u64)>> {
+        Ok(self.server()?.serving())
+    }
+
+    /// Chunk bytes sent so far.
+    #[getter]
+    fn served_bytes(&self) -> PyResult<u64> {
+        Ok(self.server()?.served_bytes())
+    }
+
+    /// Stops serving and closes the window (sends in flight are cut). Idempotent.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let server = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match server {
+            Some(server) => wait(
+                py,
+                async move { server.shutdown().await },
+                OnInterrupt::Finish,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc: Bound<'_, PyAny>,
+        _v: Bound<'_, PyAny>,
+        _tb: Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.shutdown(py).map(|()| false)
+    }
+}
+
+/// What a heal moved, and from where.
+#[pyclass(module = "phalanx._core", frozen)]
+#[derive(Debug)]
+pub struct FetchStats {
+    inner: state::FetchStats,
+}
+
+#[pymethods]
+impl FetchStats {
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.inner.bytes
+    }
+
+    #[getter]
+    fn seconds(&self) -> f64 {
+        self.inner.seconds
+    }
+
+    #[getter]
+    fn gb_per_s(&self) -> f64 {
+        if self.inner.seconds > 0.0 {
+            self.inner.bytes as f64 / self.inner.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    #[getter]
+    fn chunks(&self) -> usize {
+        self.inner.chunks
+    }
+
+    #[getter]
+    fn refetches(&self) -> u64 {
+        self.inner.refetches
+    }
+
+    #[getter]
+    fn per_source_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (source, bytes) in &self.inner.per_source {
+            out.set_item(source, bytes)?;
+        }
+        Ok(out)
+    }
+
+    #[getter]
+    fn failed_sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (source, why) in &self.inner.failed_sources {
+            out.set_item(source, why)?;
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        let s = &self.inner;
+        format!(
+            "FetchStats(bytes={}, seconds={:.3}, chunks={}, refetches={}, per_source_bytes={:?}, \
+             failed_sources={:?})",
+            s.bytes, s.seconds, s.chunks, s.refetches, s.per_source, s.failed_sources
+        )
+    }
+}
+
+/// Fetches `regions` ((address, length) pairs) from all `sources` at once, in place.
+#[pyfunction]
+#[pyo3(signature = (sources, step, quorum_id, regions, token = None, timeout = 60.0, connections_per_source = 2, chunk_bytes = 4 << 20, stall_timeout = 10.0))]
+#[allow(clippy::too_many_arguments)]
+fn fetch_state(
+    py: Python<'_>,
+    sources: Vec<String>,
+    step: i64,
+    quorum_id: i64,
+    regions: Vec<(usize, usize)>,
+    token: Option<String>,
+    timeout: f64,
+    connections_per_source: usize,
+    chunk_bytes: u64,
+    stall_timeout: f64,
+) -> PyResult<FetchStats> {
+    let quorum_id = unsigned("quorum_id", quorum_id)?;
+    self::regions(&regions)?;
+    let options = FetchOptions {
+        token: JobToken::new(token),
+        timeout: seconds("timeout", timeout)?,
+        connections_per_source,
+        chunk_bytes,
+        stall_timeout: seconds("stall_timeout", stall_timeout)?,
+        ..FetchOptions::default()
+    };
+    // SAFETY: the caller keeps the memory alive and untouched until this returns, and
+    // `wait` returns only once the fetch task has ended (on Ctrl-C: after cancelling).
+    let dest = regions
+        .into_iter()
+        .map(|(addr, len)| unsafe { DestRegion::new(addr, len) })
+        .collect();
+    let (cancel, cancelled) = oneshot::channel::<()>();
+    let fetch = async move {
+        let cancelled = async {
+            let _ = cancelled.await;
+        };
+        state::fetch_state(&sources, step, quorum_id, dest, options, cancelled).await
+    };
+    let inner = wait(py, fetch, OnInterrupt::Cancel(cancel))?;
+    Ok(FetchStats { inner })
+}
+
+/// The manifest that `sources` published for `step` of quorum `quorum_id`, from the
+/// first that answers.
+#[pyfunction]
+#[pyo3(signature = (sources, step, quorum_id, token = None, timeout = 10.0))]
+fn fetch_manifest<'py>(
+    py: Python<'py>,
+    sources: Vec<String>,
+    step: i64,
+    quorum_id: i64,
+    token: Option<String>,
+    timeout: f64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let quorum_id = unsigned("quorum_id", quorum_id)?;
+    let timeout = seconds("timeout", timeout)?;
+    let token = JobToken::new(token);
+    let manifest = wait(
+        py,
+        async move { state::fetch_manifest(&sources, step, quorum_id, &token, timeout).await },
+        OnInterrupt::Abort,
+    )?;
+    Ok(PyBytes::new(py, &manifest))
+}
+
+/// Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback
+/// TCP connections (blocking threads, no framing, no checksum).
+#[pyfunction]
+#[pyo3(signature = (nbytes, connections = 2))]
+fn bench_raw_tcp(py: Python<'_>, nbytes: usize, connections: usize) -> PyResult<f64> {
+    py.detach(|| baseline::raw_tcp_seconds(nbytes, connections))
+        .map_err(|e| PyRuntimeError::new_err(format!("raw TCP baseline failed: {e}")))
+}
+
+/// Adds the recovery bindings to `phalanx._core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<StateServer>()?;
+    m.add_class::<FetchStats>()?;
+    m.add_function(wrap_pyfunction!(fetch_state, m)?)?;
+    m.add_function(wrap_pyfunction!(fetch_manifest, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_raw_tcp, m)?)?;
+    Ok(())
+}
