@@ -17,6 +17,8 @@ from torch import nn
 from phalanx.manager import Manager
 
 BUCKET_BYTES = 25 * 1024 * 1024
+#: The first bucket is small, so that communication starts early in backward.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class _Bucket:
@@ -57,15 +59,16 @@ class _Bucket:
 
 def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
-    cut into buckets of about `limit` bytes."""
+    cut into a first bucket of about FIRST_BUCKET_BYTES, then buckets of `limit`."""
     bucket: list[nn.Parameter] = []
     size = 0
+    cap = min(limit, FIRST_BUCKET_BYTES)
     for p in reversed(params):
         bucket.append(p)
         size += p.numel() * p.element_size()
-        if size >= limit:
+        if size >= cap:
             yield bucket
-            bucket, size = [], 0
+            bucket, size, cap = [], 0, limit
     if bucket:
         yield bucket
 
