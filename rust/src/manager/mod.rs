@@ -192,6 +192,20 @@ struct ManagerService {
     shutdown: watch::Receiver<bool>,
 }
 
+/// The checks every rank's request goes through; returns its timeout.
+fn check_rank_request(
+    protocol_version: u32,
+    rank: u32,
+    step: i64,
+    timeout_ms: u64,
+    world_size: u32,
+) -> Result<std::time::Duration, Status> {
+    validate::protocol_version(protocol_version)?;
+    check_rank(rank, world_size)?;
+    validate::step(step)?;
+    validate::timeout_ms(timeout_ms)
+}
+
 fn check_rank(rank: u32, world_size: u32) -> Result<(), Status> {
     if rank >= world_size {
         return Err(Status::invalid_argument(format!(
@@ -212,11 +226,14 @@ impl Manager for ManagerService {
         let req = request.into_inner();
         let shared = &self.shared;
         let world_size = shared.options.world_size;
-        validate::protocol_version(req.protocol_version)?;
-        check_rank(req.group_rank, world_size)?;
-        validate::step(req.step)?;
+        let timeout = check_rank_request(
+            req.protocol_version,
+            req.group_rank,
+            req.step,
+            req.timeout_ms,
+            world_size,
+        )?;
         validate::address("state address", &req.state_address)?;
-        let timeout = validate::timeout_ms(req.timeout_ms)?;
 
         let (reply, answer) = oneshot::channel();
         let complete = {
@@ -311,10 +328,13 @@ impl Manager for ManagerService {
         let req = request.into_inner();
         let shared = &self.shared;
         let world_size = shared.options.world_size;
-        validate::protocol_version(req.protocol_version)?;
-        check_rank(req.group_rank, world_size)?;
-        validate::step(req.step)?;
-        let timeout = validate::timeout_ms(req.timeout_ms)?;
+        let timeout = check_rank_request(
+            req.protocol_version,
+            req.group_rank,
+            req.step,
+            req.timeout_ms,
+            world_size,
+        )?;
 
         let (tx, rx) = oneshot::channel();
         {
