@@ -1,5 +1,6 @@
 """The `phalanx` command.
 
+phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out DIR]
 phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
                    [--heartbeat-timeout 2s] [--token TOKEN]
 phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
@@ -25,7 +26,14 @@ def _run(args: list[str]) -> int:
     return launcher.main(args)
 
 
+def _demo(args: list[str]) -> int:
+    from phalanx.demo import job
+
+    return job.main(args)
+
+
 COMMANDS = {
+    "demo": (_demo, "train a small model through a failure every 15 s; report the result"),
     "lighthouse": (_lighthouse, "run a job's lighthouse (quorum, liveness, status page)"),
     "run": (_run, "start replica groups of a training script, restart failed ones"),
 }

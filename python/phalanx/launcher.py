@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import random
 import re
@@ -27,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from phalanx import _core
+from phalanx import _core, spare
 
 PR_SET_PDEATHSIG = 1
 
@@ -99,6 +100,21 @@ class Group:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
 
 
+@dataclass
+class _Output:
+    """A child's stdout: whose it is (a spare's belongs to no group yet) and the
+    part of a line read so far."""
+
+    group: Group | None
+    rank: int
+    pending: bytearray = field(default_factory=bytearray)
+
+
+#: Seconds between a spare becoming a rank and its replacement starting to import,
+#: so that the import does not compete with the restarted group's heal.
+SPARE_REFILL_DELAY = 3.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,16 +137,65 @@ class Launcher:
         self.groups = [Group(replica_id) for replica_id in ids]
         self.selector = selectors.DefaultSelector()
         self.stopping = False
+        self.spares: list[subprocess.Popen] = []
+        spares = args.warm_spares if args.warm_spares is not None else args.nproc_per_replica
+        self.spare_count = spares if spare.runnable(command) else 0
+        self.refill_at: float | None = None
 
     def say(self, text: str) -> None:
         print(f"[phalanx run] {text}", flush=True)
 
+    def on_event(self, kind: str, group: Group) -> None:
+        """Called on "start", "kill", "hang", "resume" and "exit" of a group; a
+        subclass that watches the job (the demo) listens here."""
+
     # -- processes ----------------------------------------------------------------
+
+    def _spawn(self, argv: list[str], env: dict[str, str], output: _Output, stdin: int):
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=stdin,
+            preexec_fn=_die_with_parent,
+        )
+        os.set_blocking(proc.stdout.fileno(), False)
+        self.selector.register(proc.stdout, selectors.EVENT_READ, output)
+        return proc
+
+    def refill_spares(self) -> None:
+        self.spares = [p for p in self.spares if p.poll() is None]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        while len(self.spares) < self.spare_count:
+            argv = [sys.executable, "-m", "phalanx.spare"]
+            self.spares.append(self._spawn(argv, env, _Output(None, 0), subprocess.PIPE))
+
+    def maybe_refill_spares(self, now: float) -> None:
+        if self.refill_at is not None and now >= self.refill_at:
+            self.refill_at = None
+            self.refill_spares()
+
+    def _from_spare(self, env: dict[str, str], output: _Output) -> subprocess.Popen | None:
+        while self.spares:
+            proc = self.spares.pop(0)
+            if proc.poll() is not None:
+                continue
+            try:
+                proc.stdin.write(json.dumps({"argv": self.command, "env": env}).encode() + b"\n")
+                proc.stdin.close()
+            except OSError:
+                continue
+            key = self.selector.get_key(proc.stdout)
+            key.data.group, key.data.rank = output.group, output.rank
+            return proc
+        return None
 
     def start_group(self, group: Group) -> None:
         port = _free_port()
         world = self.args.nproc_per_replica
         group.procs = []
+        warm = 0
         for rank in range(world):
             env = {
                 **os.environ,
@@ -145,21 +210,20 @@ class Launcher:
             }
             if self.args.token:
                 env["PHALANX_TOKEN"] = self.args.token
-            proc = subprocess.Popen(
-                self.command,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
-            os.set_blocking(proc.stdout.fileno(), False)
-            self.selector.register(proc.stdout, selectors.EVENT_READ, (group, rank, bytearray()))
+            output = _Output(group, rank)
+            proc = self._from_spare(env, output)
+            if proc is None:
+                proc = self._spawn(self.command, env, output, subprocess.DEVNULL)
+            else:
+                warm += 1
             group.procs.append(proc)
+        if warm:
+            self.refill_at = time.monotonic() + SPARE_REFILL_DELAY
         self.say(
-            f"started {group.replica_id} ({world} rank(s), pids "
+            f"started {group.replica_id} ({world} rank(s), {warm} from warm spares, pids "
             f"{', '.join(str(p.pid) for p in group.procs)})"
         )
+        self.on_event("start", group)
 
     def signal_group(self, group: Group, signum: int) -> None:
         for p in group.procs:
@@ -167,14 +231,18 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signum)
 
-    def stop_group(self, group: Group, grace: float = 5.0) -> None:
-        self.signal_group(group, signal.SIGCONT)
-        self.signal_group(group, signal.SIGTERM)
+    def stop_groups(self, groups: list[Group], grace: float = 5.0) -> None:
+        """SIGTERM to every rank of `groups` at once (so that none of them is left
+        waiting for another in a step), then SIGKILL to those still alive after
+        `grace` seconds."""
+        for group in groups:
+            self.signal_group(group, signal.SIGCONT)
+            self.signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for p in group.procs:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        for p in (p for group in groups for p in group.procs):
+            while p.poll() is None and time.monotonic() < deadline:
+                self.drain(0.05)
+            if p.poll() is None:
                 p.kill()
                 p.wait()
         self.drain()
@@ -183,22 +251,24 @@ class Launcher:
 
     def drain(self, timeout: float = 0.0) -> None:
         for key, _ in self.selector.select(timeout):
-            group, rank, pending = key.data
+            output: _Output = key.data
             try:
                 chunk = os.read(key.fileobj.fileno(), 65536)
             except BlockingIOError:
                 continue
-            if not chunk:
-                if pending:
-                    self.emit(group, rank, bytes(pending))
+            if chunk:
+                output.pending += chunk
+                *lines, rest = output.pending.split(b"\n")
+                output.pending[:] = rest
+            else:  # the child closed its output: flush what is left
+                lines = [bytes(output.pending)] if output.pending else []
                 self.selector.unregister(key.fileobj)
                 key.fileobj.close()
-                continue
-            pending += chunk
-            *lines, rest = pending.split(b"\n")
-            pending[:] = rest
             for line in lines:
-                self.emit(group, rank, line)
+                if output.group is None:
+                    self.say(f"warm spare: {line.decode(errors='replace')}")
+                else:
+                    self.emit(output.group, output.rank, line)
 
     def emit(self, group: Group, rank: int, line: bytes) -> None:
         sys.stdout.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
@@ -221,7 +291,8 @@ class Launcher:
                 self.say(f"{group.replica_id} finished")
             elif any(c not in (None, 0) for c in codes):
                 self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
-                self.stop_group(group)
+                self.stop_groups([group])
+                self.on_event("exit", group)
                 if group.chaos_killed:
                     group.chaos_killed = False
                     group.restart_at = now + self.args.restart_backoff
@@ -245,6 +316,7 @@ class Launcher:
                 self.say(f"chaos: SIGKILL {victim.replica_id}")
                 victim.chaos_killed = True
                 self.signal_group(victim, signal.SIGKILL)
+                self.on_event("kill", victim)
         if self.chaos.hang_every and now >= next_hang:
             next_hang = now + self.chaos.hang_every
             if live:
@@ -252,14 +324,19 @@ class Launcher:
                 victim.stopped_until = now + self.chaos.hang_for
                 self.say(f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s")
                 self.signal_group(victim, signal.SIGSTOP)
+                self.on_event("hang", victim)
         for group in self.groups:
             if group.stopped_until is not None and now >= group.stopped_until:
                 group.stopped_until = None
                 self.say(f"chaos: SIGCONT {group.replica_id}")
                 self.signal_group(group, signal.SIGCONT)
+                self.on_event("resume", group)
         return next_kill, next_hang
 
-    def run(self) -> int:
+    def run(self, duration: float | None = None, chaos_quiet: float = 0.0) -> int:
+        """Runs the job until every group finished or gave up, a signal arrives, or
+        `duration` seconds passed (then every group is stopped; that counts as
+        success). No failure is injected in the last `chaos_quiet` seconds."""
         if not self.lighthouse:
             self.lighthouse_server = _core.LighthouseServer(
                 bind=self.args.lighthouse_bind,
@@ -277,24 +354,35 @@ class Launcher:
         for group in self.groups:
             self.start_group(group)
         start = time.monotonic()
+        if self.spare_count:
+            self.refill_at = start + SPARE_REFILL_DELAY
+        end = start + duration if duration is not None else float("inf")
         next_kill = start + (self.chaos.kill_every or 0)
         next_hang = start + (self.chaos.hang_every or 0)
+        timed_out = False
         try:
             while not self.stopping:
                 self.drain(0.1)
                 now = time.monotonic()
+                if now >= end:
+                    timed_out = True
+                    break
                 self.check_groups(now)
                 if all(g.done or g.given_up for g in self.groups):
                     break
-                next_kill, next_hang = self.inject(now, next_kill, next_hang)
+                if now < end - chaos_quiet:
+                    next_kill, next_hang = self.inject(now, next_kill, next_hang)
+                self.maybe_refill_spares(now)
         finally:
-            for group in self.groups:
-                self.stop_group(group)
+            for proc in self.spares:
+                proc.kill()
+                proc.wait()
+            self.stop_groups(self.groups)
             if self.lighthouse_server is not None:
                 self.lighthouse_server.shutdown()
         if self.stopping:
             return 130
-        return 0 if all(g.done for g in self.groups) else 1
+        return 0 if timed_out or all(g.done for g in self.groups) else 1
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.say(f"{signal.Signals(signum).name}: stopping every group")
@@ -323,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chaos", action="append", default=[], help="kill-every=15s, hang-every=…,hang-for=…"
     )
     parser.add_argument("--chaos-seed", type=int, default=0)
+    parser.add_argument(
+        "--warm-spares",
+        type=int,
+        help="interpreters kept with torch imported, to restart ranks fast "
+        "(default: one per rank of a group; 0: none)",
+    )
     return parser
 
 
@@ -340,6 +434,8 @@ def main(argv: list[str]) -> int:
         command = [sys.executable, *command]
     if args.replicas < 1 or args.nproc_per_replica < 1:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
+    if args.warm_spares is not None and args.warm_spares < 0:
+        parser.error("--warm-spares must be 0 or more")
     try:
         Chaos.parse(args.chaos)
     except ValueError as e:

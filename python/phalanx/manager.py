@@ -108,6 +108,23 @@ class _Registered:
     load_state_dict: Callable[[Any], None]
 
 
+@dataclass
+class StepRecord:
+    """What one step of this rank did, for the step log: its outcome and where the
+    training thread waited (seconds)."""
+
+    step: int
+    quorum_id: int | None = None
+    participants: int = 0
+    committed: bool = False
+    healed: bool = False
+    quorum_s: float = 0.0
+    allreduce_s: float = 0.0
+    commit_s: float = 0.0
+    heal_s: float = 0.0
+    failure: str | None = None
+
+
 class Handle:
     """A started all-reduce. `wait()` finishes it (average, then `then`), or leaves the
     tensor as it is when the step failed; it never raises."""
@@ -134,11 +151,14 @@ class Handle:
         self._done = True
         if self._pending is None:
             return False
+        started = time.monotonic()
         try:
             self._pending.wait()
         except CollectiveFailed as e:
             self._manager._fail(str(e))
             return False
+        finally:
+            self._manager.last_step.allreduce_s += time.monotonic() - started
         if self._divisor > 1:
             self._tensor.div_(self._divisor)
         if self._then is not None:
@@ -223,6 +243,8 @@ class Manager:
         self._failure: str | None = None
         self._abort = threading.Event()
         self._handles: list[Handle] = []
+        #: The step in flight, or the last one once `should_commit()` returned.
+        self.last_step = StepRecord(step=0)
         self._serving = False
         self._closed = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
@@ -292,6 +314,7 @@ class Manager:
         self._abort.clear()
         self._quorum_resolved = False
         step = self._step
+        self.last_step = StepRecord(step=step)
         self._quorum_future = self._executor.submit(
             self._client.quorum,
             self.group_rank,
@@ -305,9 +328,14 @@ class Manager:
         self,
         tensor: torch.Tensor,
         then: Callable[[torch.Tensor], None] | None = None,
+        *,
+        average: bool = True,
     ) -> Handle:
         """Starts averaging `tensor` in place over the participants; `then(tensor)`
-        runs once the average is in. Never raises for a peer's failure."""
+        runs once the average is in. Never raises for a peer's failure.
+
+        `average=False` leaves the sum instead, for integer codes that cannot be
+        divided in place (phalanx.quantize)."""
         quorum = self._resolve_quorum(tensor.device)
         if quorum is None or not self.step_ok:
             return self._remember(Handle(self, None, tensor, 1, then))
@@ -318,7 +346,8 @@ class Manager:
         except CollectiveFailed as e:
             self._fail(str(e))
             return self._remember(Handle(self, None, tensor, 1, then))
-        return self._remember(Handle(self, pending, tensor, self.num_participants(), then))
+        divisor = self.num_participants() if average else 1
+        return self._remember(Handle(self, pending, tensor, divisor, then))
 
     def should_commit(self) -> bool:
         """Votes this rank's "yes" (or "no" when the step failed) and returns the
@@ -333,6 +362,8 @@ class Manager:
             self._host.close(self.timeouts.heal)
             self._serving = False
         vote = quorum is not None and self.step_ok
+        record = self.last_step
+        started = time.monotonic()
         try:
             commit = self._client.should_commit(
                 self.group_rank, self._step, vote, self.timeouts.commit
@@ -340,6 +371,10 @@ class Manager:
         except (TimeoutError, ConnectionError, ValueError) as e:
             log.warning("commit vote of step %d failed: %s", self._step, e)
             commit = False
+        record.commit_s = time.monotonic() - started
+        record.committed = commit
+        record.failure = self._failure if not commit else None
+        record.participants = self.num_participants()
         if commit:
             self._step += 1
         else:
@@ -348,6 +383,20 @@ class Manager:
         return commit
 
     # -- what a training loop may ask -----------------------------------------------
+
+    def wait_quorum(self, device: torch.device | None = None) -> bool:
+        """Waits for this step's quorum (healing first if this group is behind) and
+        tells whether the step can still commit. The collectives do this themselves;
+        call it to learn `replica_rank()` before the forward pass, e.g. to pick data."""
+        return self._resolve_quorum(device) is not None
+
+    def replica_rank(self) -> int:
+        """This group's rank among the step's groups (call `wait_quorum()` first)."""
+        return self._require_quorum().replica_rank
+
+    def replica_world_size(self) -> int:
+        """Groups in this step's quorum, healing ones included."""
+        return self._require_quorum().replica_world_size
 
     def current_step(self) -> int:
         """Committed steps so far (after a heal: the peers' step)."""
@@ -385,6 +434,12 @@ class Manager:
             )
         return self._group_pg
 
+    def group_store(self, prefix: str) -> dist.Store:
+        """This replica group's own rendezvous store (hosted by group rank 0), with
+        every key under `prefix`: for the process groups a strategy builds among the
+        group's W ranks, e.g. torch.distributed's default group for FSDP2."""
+        return dist.PrefixStore(prefix, self._store)
+
     @property
     def step_ok(self) -> bool:
         return self._failure is None
@@ -417,6 +472,13 @@ class Manager:
 
     # -- internals ------------------------------------------------------------------
 
+    def _require_quorum(self) -> _core.QuorumResult:
+        if not self._quorum_resolved or self._quorum is None:
+            raise RuntimeError(
+                "this step has no quorum yet; call wait_quorum() after start_quorum()"
+            )
+        return self._quorum
+
     def _fail(self, reason: str) -> None:
         if self._failure is None:
             self._failure = reason
@@ -439,13 +501,17 @@ class Manager:
         self._quorum_resolved = True
         if self._quorum_future is None:
             raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
+        started = time.monotonic()
         try:
             quorum = self._quorum_future.result()
         except Exception as e:  # the quorum call's own deadline bounds this wait
             self._fail(f"no quorum: {e}")
             self._quorum = None
             return None
+        finally:
+            self.last_step.quorum_s = time.monotonic() - started
         self._quorum = quorum
+        self.last_step.quorum_id = quorum.quorum_id
         try:
             self._pg.configure(
                 Membership(
@@ -502,6 +568,9 @@ class Manager:
         for name, registered in self._registered.items():
             if name in state:
                 registered.load_state_dict(state[name])
+        self.last_step.heal_s = time.monotonic() - started
+        self.last_step.healed = True
+        self.last_step.step = q.max_step
         log.info(
             "healed to step %d from %d peer(s) in %.3f s",
             q.max_step,

@@ -84,16 +84,22 @@ class FaultTolerantProcessGroup:
         still hold it; its own timeout ends it)."""
         if membership == self._membership and backend == self._backend:
             return
-        self._group = None
-        self._membership = None
+        self.reset()
         self._group = self._connect(membership, backend, self._timeout)
         self._membership = membership
         self._backend = backend
 
     def reset(self) -> None:
-        """Forgets the current process group, e.g. after a failed collective."""
-        self._group = None
-        self._membership = None
+        """Forgets the current process group, e.g. after a failed collective.
+
+        The group is destroyed on a thread of its own: gloo's destructor waits for the
+        group's collectives in flight, and with a dead peer those last until their
+        timeout, which the training thread must not wait for."""
+        group, self._group, self._membership = self._group, None, None
+        if group is not None:
+            holder = [group]
+            del group
+            threading.Thread(target=holder.clear, name="phalanx-retire-pg", daemon=True).start()
 
     def allreduce(self, tensor: torch.Tensor, abort: threading.Event) -> Pending:
         if self._group is None or self._membership is None:

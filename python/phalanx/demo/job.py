@@ -1,0 +1,191 @@
+"""`phalanx demo`: the whole mission on one machine. Three replica groups train a small
+Llama-style model through a SIGKILL of a random group every 15 seconds; at the end a
+summary, `report.json`, `report.png` and the step log are in `--out`.
+
+    phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out phalanx-demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from phalanx import launcher
+from phalanx.demo.display import Progress
+from phalanx.demo.report import analyze, plot, summary_table
+
+
+class DemoJob(launcher.Launcher):
+    """The launcher, watching its groups: every step line of a rank goes to the step
+    log and the live display, every other line to `ranks.log`."""
+
+    def __init__(self, args: argparse.Namespace, command: list[str], out: Path, progress: Progress):
+        super().__init__(args, command)
+        self.out = out
+        self.progress = progress
+        self.steps: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.started = time.time()
+        self._step_log = (out / "steps.jsonl").open("w")
+        self._rank_log = (out / "ranks.log").open("w")
+        self._ever_started: set[str] = set()
+        self._recovering: dict[str, float] = {}
+        self._latest: dict[str, dict[str, Any]] = {}
+
+    def say(self, text: str) -> None:
+        self._rank_log.write(f"[phalanx run] {text}\n")
+
+    def emit(self, group: launcher.Group, rank: int, line: bytes) -> None:
+        if line.startswith(b'{"event": "step"'):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if record is not None:
+                self._step(record)
+                return
+        self._rank_log.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
+
+    def on_event(self, kind: str, group: launcher.Group) -> None:
+        now = time.time()
+        restart = kind == "start" and group.replica_id in self._ever_started
+        self.events.append(
+            {"t": now, "kind": kind, "replica": group.replica_id, "restart": restart}
+        )
+        elapsed = f"{now - self.started:6.1f}s"
+        if kind == "start":
+            self._ever_started.add(group.replica_id)
+            if restart:
+                self._recovering[group.replica_id] = now
+                self.progress.event(f"{elapsed}  {group.replica_id} restarted, healing from peers")
+        elif kind == "kill":
+            self._latest.pop(group.replica_id, None)
+            self.progress.event(f"{elapsed}  SIGKILL {group.replica_id}")
+        elif kind == "hang":
+            self.progress.event(f"{elapsed}  SIGSTOP {group.replica_id}")
+        elif kind == "resume":
+            self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
+
+    def _step(self, record: dict[str, Any]) -> None:
+        self.steps.append(record)
+        self._step_log.write(json.dumps(record) + "\n")
+        replica = record["replica"]
+        if record["committed"]:
+            self._latest[replica] = record
+            if replica in self._recovering:
+                seconds = record["t_end"] - self._recovering.pop(replica)
+                self.progress.event(
+                    f"{record['t_end'] - self.started:6.1f}s  {replica} back at step "
+                    f"{record['step']}, {seconds:.2f} s after its restart"
+                )
+        self._show()
+
+    def _show(self) -> None:
+        live = list(self._latest.values())
+        if not live:
+            return
+        committed = sum(r["committed"] for r in self.steps)
+        failures = sum(1 for e in self.events if e["kind"] in ("kill", "hang"))
+        loss = sum(r["loss"] for r in live) / len(live)
+        self.progress.status(
+            f"{time.time() - self.started:6.1f}s  step {max(r['step'] for r in live) + 1:5d}"
+            f"  loss {loss:5.3f}  groups {len(live)}/{len(self.groups)}"
+            f"  failures {failures}  committed {committed}/{len(self.steps)}"
+            f" ({committed / len(self.steps):.1%})"
+        )
+
+    def close(self) -> None:
+        self._step_log.close()
+        self._rank_log.close()
+        self.progress.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx demo",
+        description="Train a small Llama-style model with replica groups that keep "
+        "failing, on this machine, and report what the job achieved.",
+    )
+    duration = launcher.parse_duration
+    parser.add_argument("--duration", type=duration, default=120.0, help="e.g. 2m, 90s")
+    parser.add_argument("--replicas", type=int, default=3, help="replica groups")
+    parser.add_argument("--nproc-per-replica", type=int, default=1, help="ranks per group")
+    parser.add_argument(
+        "--kill-every", type=duration, default=15.0, help="SIGKILL a random group (0: never)"
+    )
+    parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
+    parser.add_argument("--out", type=Path, default=Path("phalanx-demo"), help="report folder")
+    parser.add_argument("--seed", type=int, default=0, help="of the data and the failures")
+    parser.add_argument(
+        "train_args", nargs=argparse.REMAINDER, help="after --: more options of the training"
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replicas < 1 or args.nproc_per_replica < 1:
+        parser.error("--replicas and --nproc-per-replica must be at least 1")
+    if args.duration <= 0:
+        parser.error("--duration must be positive, e.g. --duration 2m")
+    chaos = []
+    if args.kill_every:
+        chaos.append(f"kill-every={args.kill_every}")
+    if args.hang_every:
+        chaos.append(f"hang-every={args.hang_every},hang-for=3")
+    job_args = launcher.build_parser().parse_args(
+        [
+            f"--replicas={args.replicas}",
+            f"--nproc-per-replica={args.nproc_per_replica}",
+            f"--chaos-seed={args.seed}",
+            *(f"--chaos={c}" for c in chaos),
+        ]
+    )
+    train = [a for a in args.train_args if a != "--"]
+    command = [sys.executable, "-m", "phalanx.demo.train", f"--seed={args.seed}", *train]
+
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create the report folder {args.out}: {e}; pick another --out")
+    progress = Progress()
+    progress.event(
+        f"phalanx demo: {args.replicas} replica group(s) x {args.nproc_per_replica} rank(s), "
+        f"{args.duration:g} s"
+        + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
+    )
+    job = DemoJob(job_args, command, args.out, progress)
+    try:
+        code = job.run(duration=args.duration, chaos_quiet=min(5.0, (args.kill_every or 0) / 2))
+    finally:
+        job.close()
+    ended = time.time()
+
+    report = analyze(
+        job.steps, job.events, replicas=args.replicas, started=job.started, ended=ended
+    )
+    report["config"] = {
+        "replicas": args.replicas,
+        "nproc_per_replica": args.nproc_per_replica,
+        "duration_s": args.duration,
+        "kill_every_s": args.kill_every,
+        "hang_every_s": args.hang_every,
+        "seed": args.seed,
+        "train_args": train,
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in job.events))
+    plot(job.steps, job.events, job.started, str(args.out / "report.png"))
+    print(summary_table(report))
+    print(
+        f"report: {args.out / 'report.json'}, {args.out / 'report.png'}; step log: "
+        f"{args.out / 'steps.jsonl'}; rank output: {args.out / 'ranks.log'}"
+    )
+    if code == 130:
+        return 130
+    return 0 if report["steps_committed"] else 1

@@ -1,0 +1,214 @@
+"""What a demo run achieved, computed from its step log and its failure events only:
+nothing here is assumed, every number is measured.
+
+A *life* is one process of one group (one rank, for groups of several ranks), from
+its first step to its last; a group killed and restarted has several lives.
+
+- `step_efficiency`: committed ÷ attempted steps, over every life (a step counts as
+  attempted once it reached its vote; the step a killed process was in never does).
+- `time_efficiency`: the share of the lives' wall time (first step start → last step
+  end) spent in steps that committed.
+- `recovery_seconds`: for each restart, from the process's start to its first
+  committed step.
+- `replicas_consistent`: at every step that two or more lives committed, their
+  fingerprints of model + optimizer state agree (same rank of each group).
+- `job_progress`: the committed steps the job reached ÷ the steps it would have made
+  at its healthy pace (the median step time while every group was live) in the time
+  from its first step to its end.
+- `max_survivor_stall_s`: the longest gap between two consecutive commits of one life.
+
+>>> steps = [
+...     {"replica": "a", "rank": 0, "pid": 1, "step": s, "committed": True, "t_start": s,
+...      "t_end": s + 1.0, "participants": 2, "loss": 5.0 - s, "fingerprint": str(s)}
+...     for s in range(4)
+... ] + [
+...     {"replica": "b", "rank": 0, "pid": 2, "step": s, "committed": s != 2, "t_start": s,
+...      "t_end": s + 1.0, "participants": 2, "loss": 5.0 - s,
+...      "fingerprint": str(s) if s != 2 else None}
+...     for s in range(4)
+... ]
+>>> r = analyze(steps, events=[], replicas=2, started=0.0, ended=4.0)
+>>> r["steps_attempted"], r["steps_committed"], r["step_efficiency"], r["replicas_consistent"]
+(8, 7, 0.875, True)
+>>> r["job_progress"], r["max_survivor_stall_s"]
+(1.0, 2.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+#: Steps averaged for the initial and the final loss.
+LOSS_WINDOW = 10
+
+
+def _lives(steps: Iterable[dict]) -> dict[tuple[str, int, int], list[dict]]:
+    lives: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
+    for record in steps:
+        lives[(record["replica"], record["rank"], record["pid"])].append(record)
+    for records in lives.values():
+        records.sort(key=lambda r: r["t_start"])
+    return lives
+
+
+def _round(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _consistency(steps: list[dict]) -> tuple[bool, int, list[int]]:
+    """Whether the fingerprints agree at every (step, rank) committed by 2+ lives;
+    also how many such steps there were and the first few that disagree."""
+    seen: dict[tuple[int, int], set[str]] = defaultdict(set)
+    count: dict[tuple[int, int], int] = defaultdict(int)
+    for r in steps:
+        if r["committed"] and r.get("fingerprint"):
+            seen[(r["step"], r["rank"])].add(r["fingerprint"])
+            count[(r["step"], r["rank"])] += 1
+    compared = [key for key, n in count.items() if n >= 2]
+    bad = sorted({step for (step, rank) in compared if len(seen[(step, rank)]) > 1})
+    return not bad, len(compared), bad[:10]
+
+
+def _mean_loss(records: list[dict]) -> float | None:
+    return statistics.fmean(r["loss"] for r in records) if records else None
+
+
+def analyze(
+    steps: list[dict],
+    events: list[dict],
+    *,
+    replicas: int,
+    started: float,
+    ended: float,
+) -> dict[str, Any]:
+    """The report of a run from `steps` (the step log's records) and `events`
+    (launcher events: {"t", "kind", "replica"}); only steps begun before `ended`
+    count (the job is stopped then)."""
+    steps = [r for r in steps if r["t_start"] < ended]
+    committed = [r for r in steps if r["committed"]]
+    lives = _lives(steps)
+
+    live_time = sum(rs[-1]["t_end"] - rs[0]["t_start"] for rs in lives.values())
+    useful_time = sum(r["t_end"] - r["t_start"] for r in committed)
+
+    stall = 0.0
+    for records in lives.values():
+        commits = [r["t_end"] for r in records if r["committed"]]
+        stall = max([stall, *(b - a for a, b in itertools.pairwise(commits))])
+
+    first_commit: dict[str, list[float]] = defaultdict(list)
+    for records in lives.values():
+        done = [r["t_end"] for r in records if r["committed"]]
+        if done:
+            first_commit[records[0]["replica"]].append(done[0])
+    recovery_seconds = []
+    for event in events:
+        if event["kind"] == "start" and event.get("restart"):
+            later = [t for t in first_commit[event["replica"]] if t >= event["t"]]
+            if later:
+                recovery_seconds.append(min(later) - event["t"])
+
+    healthy = [r["t_end"] - r["t_start"] for r in committed if r["participants"] == replicas]
+    healthy_step = statistics.median(healthy) if healthy else None
+    reached = max((r["step"] + 1 for r in committed), default=0)
+    window = ended - min((r["t_start"] for r in steps), default=ended)
+    job_progress = reached / (window / healthy_step) if healthy_step and window > 0 else None
+
+    by_step: dict[int, list[dict]] = defaultdict(list)
+    for r in committed:
+        by_step[r["step"]].append(r)
+    ordered = [by_step[s] for s in sorted(by_step)]
+    initial = [r for group in ordered[:LOSS_WINDOW] for r in group]
+    final = [r for group in ordered[-LOSS_WINDOW:] for r in group]
+    consistent, compared, mismatches = _consistency(steps)
+
+    return {
+        "replicas": replicas,
+        "duration_s": _round(ended - started, 2),
+        "steps_attempted": len(steps),
+        "steps_committed": len(committed),
+        "step_efficiency": _round(len(committed) / len(steps)) if steps else None,
+        "time_efficiency": _round(useful_time / live_time) if live_time > 0 else None,
+        "job_steps": reached,
+        "job_progress": _round(job_progress),
+        "healthy_step_s": _round(healthy_step),
+        "failures_injected": sum(1 for e in events if e["kind"] in ("kill", "hang")),
+        "recoveries": len(recovery_seconds),
+        "recovery_seconds": [_round(s, 3) for s in recovery_seconds],
+        "recovery_seconds_median": _round(
+            statistics.median(recovery_seconds) if recovery_seconds else None, 3
+        ),
+        "initial_loss": _round(_mean_loss(initial)),
+        "final_loss": _round(_mean_loss(final)),
+        "replicas_consistent": consistent,
+        "consistency_checked_steps": compared,
+        "inconsistent_steps": mismatches,
+        "max_survivor_stall_s": _round(stall, 3),
+        "samples_committed": max((r.get("samples", 0) for r in committed), default=0),
+    }
+
+
+SUMMARY_ROWS = [
+    ("steps committed / attempted", "steps_committed", "steps_attempted"),
+    ("step efficiency", "step_efficiency", None),
+    ("time efficiency", "time_efficiency", None),
+    ("job progress vs healthy pace", "job_progress", None),
+    ("failures injected", "failures_injected", None),
+    ("recoveries", "recoveries", None),
+    ("recovery (start -> first commit), median s", "recovery_seconds_median", None),
+    ("longest survivor stall, s", "max_survivor_stall_s", None),
+    ("loss: initial -> final", "initial_loss", "final_loss"),
+    ("replicas bit-identical", "replicas_consistent", None),
+]
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """The report as a two-column table for the terminal."""
+    rows = []
+    for label, key, second in SUMMARY_ROWS:
+        value = str(report[key])
+        if second == "steps_attempted":
+            value = f"{report[key]} / {report[second]}"
+        elif second:
+            value = f"{report[key]} -> {report[second]}"
+        if key == "replicas_consistent":
+            value += f" ({report['consistency_checked_steps']} steps compared)"
+        rows.append((label, value))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def plot(steps: list[dict], events: list[dict], started: float, path: str) -> None:
+    """Loss and participants over time, failures marked, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, part_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    by_replica: dict[str, list[dict]] = defaultdict(list)
+    for r in steps:
+        if r["committed"] and r["rank"] == 0:
+            by_replica[r["replica"]].append(r)
+    for replica, records in sorted(by_replica.items()):
+        records.sort(key=lambda r: r["t_end"])
+        t = [r["t_end"] - started for r in records]
+        loss_ax.plot(t, [r["loss"] for r in records], ".", markersize=2, label=replica)
+        part_ax.step(t, [r["participants"] for r in records], where="post", label=replica)
+    for event in events:
+        if event["kind"] in ("kill", "hang"):
+            for ax in (loss_ax, part_ax):
+                ax.axvline(event["t"] - started, color="red", alpha=0.4, linewidth=1)
+    loss_ax.set_ylabel("loss (nats/byte)")
+    loss_ax.set_title("phalanx demo: training through failures (red: injected failure)")
+    loss_ax.legend(loc="upper right", markerscale=4)
+    part_ax.set_ylabel("groups in the step")
+    part_ax.set_xlabel("seconds")
+    part_ax.yaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,162 @@
+"""One rank of a replica group training a small Llama-style model on the Book of
+Genesis, byte by byte, with phalanx. This is the script `phalanx demo` runs; started
+by hand it is an ordinary phalanx training script:
+
+    phalanx run --replicas 3 --chaos kill-every=15s -- python -m phalanx.demo.train
+
+Each step is a transaction over the groups alive now: `optimizer.zero_grad()` asks for
+the step's quorum, the gradients are averaged over it during `backward()`, and
+`optimizer.step()` applies them only if the step committed. The data cursor is part
+of the state a restarted group receives from its peers, so it reads on from where
+they are (see `phalanx.data`).
+
+Prints one JSON line per step (the step log `phalanx demo` collects). Stops at
+SIGTERM once the step in flight is done (how `phalanx demo` ends the job), or when
+the job reaches `--steps` committed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from importlib import resources
+
+import torch
+import torch.nn.functional as F
+
+import phalanx
+from phalanx.data import QuorumSampler
+from phalanx.demo.model import Llama, LlamaConfig
+
+
+class Corpus:
+    """The text as bytes, cut into windows of seq_len + 1: a sample is the input
+    and, shifted by one byte, the target."""
+
+    def __init__(self, text: bytes, seq_len: int):
+        self.data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+        self.windows = (len(self.data) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.tensor(indices) * self.seq_len
+        rows = starts[:, None] + torch.arange(self.seq_len + 1)
+        window = self.data[rows]
+        return window[:, :-1], window[:, 1:]
+
+
+def genesis() -> bytes:
+    return resources.files("phalanx.demo").joinpath("corpus/genesis.txt").read_bytes()
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> str:
+    """A fast fingerprint of the tensors' bits: any single changed element changes it
+    (each 32-bit word is weighted by an odd multiplier, modulo 2**64)."""
+    total = 0
+    for i, t in enumerate(tensors):
+        words = t.detach().contiguous().reshape(-1).view(torch.int32).to(torch.int64)
+        odd = torch.arange(1, 2 * words.numel() + 1, 2, dtype=torch.int64) * (2 * i + 0x9E3779B1)
+        total = (total * 1_000_003 + int((words * odd).sum())) % 2**64
+    return f"{total:016x}"
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = list(model.state_dict().values())
+    for state in optimizer.state_dict()["state"].values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def stop_on_sigterm() -> threading.Event:
+    """SIGTERM ends the loop after the step in flight, so that no peer is left
+    waiting for this group in the middle of a step."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, help="stop at this many committed steps")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per rank and step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--timeout", type=float, default=10.0, help="the Manager's budget")
+    return parser.parse_args()
+
+
+def main() -> None:
+    began = time.time()
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    stop = stop_on_sigterm()
+
+    corpus = Corpus(genesis(), args.seq_len)
+    manager = phalanx.Manager(timeout=args.timeout)
+    model = Llama(LlamaConfig(dim=args.dim, layers=args.layers, seq_len=args.seq_len))
+    ddp = phalanx.DistributedDataParallel(model, manager)
+    optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
+    manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
+
+    steps = args.steps if args.steps is not None else float("inf")
+    ready = time.time()
+    while not stop.is_set() and manager.current_step() < steps:
+        started = time.time()
+        optimizer.zero_grad()
+        inputs, targets = corpus.batch(sampler.indices(manager))
+        loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        committed = optimizer.step()
+        if committed:
+            sampler.advance()
+        step = manager.last_step
+        print(
+            json.dumps(
+                {
+                    "event": "step",
+                    "replica": manager.replica_id,
+                    "rank": manager.group_rank,
+                    "pid": os.getpid(),
+                    "step": step.step,
+                    "quorum_id": step.quorum_id,
+                    "participants": step.participants,
+                    "committed": committed,
+                    "healed": step.healed,
+                    "t_start": started,
+                    "t_end": time.time(),
+                    "quorum_s": round(step.quorum_s, 6),
+                    "allreduce_s": round(step.allreduce_s, 6),
+                    "commit_s": round(step.commit_s, 6),
+                    "heal_s": round(step.heal_s, 6),
+                    "loss": loss.item(),
+                    "samples": sampler.cursor,
+                    "fingerprint": (
+                        fingerprint(training_state(model, optimizer.optimizer))
+                        if committed
+                        else None
+                    ),
+                    "failure": step.failure,
+                    "t_main": began,
+                    "t_ready": ready,
+                }
+            ),
+            flush=True,
+        )
+    manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()
