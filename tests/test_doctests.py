@@ -8,7 +8,16 @@ import importlib
 import pytest
 
 # Every module whose docstrings carry examples; each must run at least one.
-MODULES = ["phalanx", "phalanx.manager", "phalanx.launcher", "phalanx.recovery"]
+MODULES = [
+    "phalanx",
+    "phalanx.manager",
+    "phalanx.launcher",
+    "phalanx.recovery",
+    "phalanx.data",
+    "phalanx.spare",
+    "phalanx.demo.model",
+    "phalanx.demo.report",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -118,6 +118,45 @@ def test_chaos_kills_groups_and_the_launcher_brings_them_back():
     assert log.count("started group") >= 2 + 3 - 1, log
 
 
+def children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid`."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def test_a_restarted_group_starts_from_a_warm_spare_with_its_own_environment():
+    # The rank fails once after the spare has had time to import torch.
+    done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "6", "3")
+
+    assert done.returncode == 1
+    runs = reports(done.stdout)
+    assert len(runs) == 2, done.stdout
+    assert "1 from warm spares" in done.stdout, done.stdout
+    (_, cold), (_, warm) = runs
+    assert warm["pid"] != cold["pid"]
+    for key in ("PHALANX_REPLICA_ID", "RANK", "WORLD_SIZE", "PHALANX_LIGHTHOUSE"):
+        assert warm[key] == cold[key], key
+    assert warm["MASTER_PORT"] != cold["MASTER_PORT"], "a restarted group gets a fresh store"
+
+
+def wait_until_spare(launcher: int) -> set[int]:
+    """The launcher's children once a warm spare is among them (ranks + 1)."""
+    deadline = time.monotonic() + 15
+    while len(found := children(launcher)) < 3:
+        assert time.monotonic() < deadline, "no warm spare was started"
+        time.sleep(0.1)
+    return found
+
+
 def test_sigterm_stops_every_rank_and_leaves_no_orphan():
     launcher = subprocess.Popen(
         [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
@@ -133,9 +172,11 @@ def test_sigterm_stops_every_rank_and_leaves_no_orphan():
             line = launcher.stdout.readline()
             pids += [env["pid"] for _, env in reports(line)]
         assert len(pids) == 2
+        spares = wait_until_spare(launcher.pid)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(15) == 130
         assert not any(alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in spares), "the warm spare outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()

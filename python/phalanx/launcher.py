@@ -141,9 +141,15 @@ class Launcher:
         spares = args.warm_spares if args.warm_spares is not None else args.nproc_per_replica
         self.spare_count = spares if spare.runnable(command) else 0
         self.refill_at: float | None = None
+        self.next_kill: float | None = None
+        self.next_hang: float | None = None
 
     def say(self, text: str) -> None:
         print(f"[phalanx run] {text}", flush=True)
+
+    def ready_for_chaos(self) -> bool:
+        """Whether failures may be injected yet; the clock of --chaos starts then."""
+        return True
 
     def on_event(self, kind: str, group: Group) -> None:
         """Called on "start", "kill", "hang", "resume" and "exit" of a group; a
@@ -186,6 +192,7 @@ class Launcher:
                 proc.stdin.close()
             except OSError:
                 continue
+            spare.wake(proc.pid)
             key = self.selector.get_key(proc.stdout)
             key.data.group, key.data.rank = output.group, output.rank
             return proc
@@ -307,18 +314,25 @@ class Launcher:
                 group.restart_at = now + backoff
                 self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
 
-    def inject(self, now: float, next_kill: float, next_hang: float) -> tuple[float, float]:
+    def inject(self, now: float) -> None:
+        """Injects the failures that are due; the clock starts once the job is
+        `ready_for_chaos()`."""
+        if self.next_kill is None:
+            if not self.ready_for_chaos():
+                return
+            self.next_kill = now + (self.chaos.kill_every or 0)
+            self.next_hang = now + (self.chaos.hang_every or 0)
         live = [g for g in self.groups if g.alive and g.stopped_until is None]
-        if self.chaos.kill_every and now >= next_kill:
-            next_kill = now + self.chaos.kill_every
+        if self.chaos.kill_every and now >= self.next_kill:
+            self.next_kill = now + self.chaos.kill_every
             if live:
                 victim = self.rng.choice(live)
                 self.say(f"chaos: SIGKILL {victim.replica_id}")
                 victim.chaos_killed = True
                 self.signal_group(victim, signal.SIGKILL)
                 self.on_event("kill", victim)
-        if self.chaos.hang_every and now >= next_hang:
-            next_hang = now + self.chaos.hang_every
+        if self.chaos.hang_every and now >= self.next_hang:
+            self.next_hang = now + self.chaos.hang_every
             if live:
                 victim = self.rng.choice(live)
                 victim.stopped_until = now + self.chaos.hang_for
@@ -331,7 +345,6 @@ class Launcher:
                 self.say(f"chaos: SIGCONT {group.replica_id}")
                 self.signal_group(group, signal.SIGCONT)
                 self.on_event("resume", group)
-        return next_kill, next_hang
 
     def run(self, duration: float | None = None, chaos_quiet: float = 0.0) -> int:
         """Runs the job until every group finished or gave up, a signal arrives, or
@@ -357,8 +370,6 @@ class Launcher:
         if self.spare_count:
             self.refill_at = start + SPARE_REFILL_DELAY
         end = start + duration if duration is not None else float("inf")
-        next_kill = start + (self.chaos.kill_every or 0)
-        next_hang = start + (self.chaos.hang_every or 0)
         timed_out = False
         try:
             while not self.stopping:
@@ -371,7 +382,7 @@ class Launcher:
                 if all(g.done or g.given_up for g in self.groups):
                     break
                 if now < end - chaos_quiet:
-                    next_kill, next_hang = self.inject(now, next_kill, next_hang)
+                    self.inject(now)
                 self.maybe_refill_spares(now)
         finally:
             for proc in self.spares:

@@ -54,7 +54,13 @@ class DemoJob(launcher.Launcher):
         now = time.time()
         restart = kind == "start" and group.replica_id in self._ever_started
         self.events.append(
-            {"t": now, "kind": kind, "replica": group.replica_id, "restart": restart}
+            {
+                "t": now,
+                "kind": kind,
+                "replica": group.replica_id,
+                "restart": restart,
+                "pids": [p.pid for p in group.procs],
+            }
         )
         elapsed = f"{now - self.started:6.1f}s"
         if kind == "start":
@@ -69,6 +75,10 @@ class DemoJob(launcher.Launcher):
             self.progress.event(f"{elapsed}  SIGSTOP {group.replica_id}")
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
+
+    def ready_for_chaos(self) -> bool:
+        # Failures are injected into a job that trains, not into one still starting.
+        return bool(self._latest)
 
     def _step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)

@@ -100,17 +100,19 @@ def analyze(
         commits = [r["t_end"] for r in records if r["committed"]]
         stall = max([stall, *(b - a for a, b in itertools.pairwise(commits))])
 
-    first_commit: dict[str, list[float]] = defaultdict(list)
-    for records in lives.values():
+    first_commit: dict[int, float] = {}
+    for (_, _, pid), records in lives.items():
         done = [r["t_end"] for r in records if r["committed"]]
         if done:
-            first_commit[records[0]["replica"]].append(done[0])
+            first_commit[pid] = done[0]
     recovery_seconds = []
     for event in events:
         if event["kind"] == "start" and event.get("restart"):
-            later = [t for t in first_commit[event["replica"]] if t >= event["t"]]
-            if later:
-                recovery_seconds.append(min(later) - event["t"])
+            # A group is back when every one of its ranks has committed a step; one
+            # killed again before that did not recover.
+            pids = event["pids"]
+            if pids and all(pid in first_commit for pid in pids):
+                recovery_seconds.append(max(first_commit[p] for p in pids) - event["t"])
 
     healthy = [r["t_end"] - r["t_start"] for r in committed if r["participants"] == replicas]
     healthy_step = statistics.median(healthy) if healthy else None

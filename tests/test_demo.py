@@ -1,0 +1,109 @@
+"""`phalanx demo`: the real job, with real kills, and the numbers of its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from phalanx.demo.report import analyze
+
+from conftest import TESTS, child_env
+
+REPORT_FIELDS = {
+    "steps_attempted",
+    "steps_committed",
+    "step_efficiency",
+    "time_efficiency",
+    "failures_injected",
+    "recoveries",
+    "recovery_seconds",
+    "initial_loss",
+    "final_loss",
+    "replicas_consistent",
+    "job_progress",
+    "max_survivor_stall_s",
+}
+STEP_FIELDS = {
+    "replica",
+    "step",
+    "quorum_id",
+    "participants",
+    "committed",
+    "quorum_s",
+    "allreduce_s",
+    "commit_s",
+    "heal_s",
+}
+
+
+@pytest.mark.slow
+def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--duration", "30", "--kill-every", "10"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    report = json.loads((out / "report.json").read_text())
+    assert report.keys() >= REPORT_FIELDS
+    assert report["steps_committed"] > 0
+    assert report["failures_injected"] >= 1
+    assert report["recoveries"] >= 1, (out / "ranks.log").read_text()[-3000:]
+    assert report["final_loss"] < report["initial_loss"]
+    assert report["replicas_consistent"] is True
+    assert report["consistency_checked_steps"] > 0
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(steps) >= report["steps_attempted"]
+    assert all(s.keys() >= STEP_FIELDS for s in steps)
+    assert "replicas bit-identical" in done.stdout
+
+
+def record(replica, pid, step, t, committed=True, fingerprint=None, participants=2):
+    return {
+        "replica": replica,
+        "rank": 0,
+        "pid": pid,
+        "step": step,
+        "committed": committed,
+        "t_start": t,
+        "t_end": t + 0.1,
+        "participants": participants,
+        "loss": 1.0,
+        "fingerprint": fingerprint if committed else None,
+    }
+
+
+def test_the_report_finds_replicas_that_disagree():
+    steps = [record("a", 1, 0, 0.0, fingerprint="x"), record("b", 2, 0, 0.0, fingerprint="y")]
+    report = analyze(steps, [], replicas=2, started=0.0, ended=1.0)
+    assert report["replicas_consistent"] is False
+    assert report["inconsistent_steps"] == [0]
+
+
+def test_recovery_is_timed_from_the_restart_to_the_first_commit():
+    steps = [record("a", 1, s, float(s)) for s in range(10)]
+    steps += [record("b", 2, 5, 5.5, committed=False), record("b", 2, 6, 6.0)]
+    events = [
+        {"t": 4.0, "kind": "kill", "replica": "b", "restart": False, "pids": [9]},
+        {"t": 4.5, "kind": "start", "replica": "b", "restart": True, "pids": [2]},
+    ]
+    report = analyze(steps, events, replicas=2, started=0.0, ended=10.0)
+    assert report["recovery_seconds"] == [pytest.approx(1.6)]
+    assert report["failures_injected"] == 1
+    assert report["steps_attempted"] == 12 and report["steps_committed"] == 11
+
+
+def test_steps_begun_after_the_end_do_not_count():
+    steps = [record("a", 1, 0, 0.0), record("a", 1, 1, 5.0, committed=False)]
+    report = analyze(steps, [], replicas=1, started=0.0, ended=4.0)
+    assert report["steps_attempted"] == 1 and report["step_efficiency"] == 1.0
