@@ -242,6 +242,12 @@ class Manager:
         self._quorum_resolved = False
         self._failure: str | None = None
         self._abort = threading.Event()
+        # The membership watcher and the training thread agree under this lock on
+        # which quorum a loss of membership concerns: the step's own, once it is known
+        # (`_step_quorum_id`), or any quorum at most `_broken_quorum_id`.
+        self._membership_lock = threading.Lock()
+        self._step_quorum_id: int | None = None
+        self._broken_quorum_id = -1
         self._handles: list[Handle] = []
         #: The step in flight, or the last one once `should_commit()` returned.
         self.last_step = StepRecord(step=0)
@@ -310,8 +316,10 @@ class Manager:
     def start_quorum(self, shrink_only: bool = False) -> None:
         """Starts this step's quorum in the background; call it before the forward pass."""
         self._wait_handles()
-        self._failure = None
-        self._abort.clear()
+        with self._membership_lock:
+            self._step_quorum_id = None
+            self._failure = None
+            self._abort.clear()
         self._quorum_resolved = False
         step = self._step
         self.last_step = StepRecord(step=step)
@@ -512,6 +520,13 @@ class Manager:
             self.last_step.quorum_s = time.monotonic() - started
         self._quorum = quorum
         self.last_step.quorum_id = quorum.quorum_id
+        with self._membership_lock:
+            self._step_quorum_id = quorum.quorum_id
+            lost = quorum.quorum_id <= self._broken_quorum_id
+        if lost:
+            # A member died after this quorum was issued; the lighthouse told us first.
+            self._fail(f"quorum {quorum.quorum_id} lost a member before the step began")
+            return None
         try:
             self._pg.configure(
                 Membership(
@@ -586,9 +601,12 @@ class Manager:
             except (ConnectionError, TimeoutError):
                 time.sleep(0.1)
                 continue
-            q = self._quorum
             if self._closed:
                 return
-            if event is not None and q is not None and event.quorum_id == q.quorum_id:
-                self._abort.set()
-                self._fail(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")
+            if event is None:
+                continue
+            with self._membership_lock:
+                self._broken_quorum_id = max(self._broken_quorum_id, event.quorum_id)
+                if event.quorum_id == self._step_quorum_id:
+                    self._abort.set()
+                    self._fail(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")
