@@ -38,6 +38,7 @@ from phalanx._core import (
 
 if TYPE_CHECKING:
     from phalanx.ddp import DistributedDataParallel
+    from phalanx.diloco import DiLoCo, LocalSGD
     from phalanx.manager import Manager
     from phalanx.optim import Optimizer
 
@@ -45,6 +46,8 @@ _LAZY = {
     "Manager": "phalanx.manager",
     "Optimizer": "phalanx.optim",
     "DistributedDataParallel": "phalanx.ddp",
+    "DiLoCo": "phalanx.diloco",
+    "LocalSGD": "phalanx.diloco",
 }
 
 
@@ -58,7 +61,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "DiLoCo",
     "DistributedDataParallel",
+    "LocalSGD",
     "Manager",
     "Optimizer",
     "LighthouseClient",

@@ -13,6 +13,7 @@ the spare runs it as `__main__` in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -58,10 +59,9 @@ def _may_leave_idle_scheduling() -> bool:
 def _scheduling(policy_name: str, pid: int = 0) -> None:
     policy = getattr(os, policy_name, None)
     if policy is not None:
-        try:
+        # On failure no harm is done: the spare imports at normal priority.
+        with contextlib.suppress(OSError):
             os.sched_setscheduler(pid, policy, os.sched_param(0))
-        except OSError:
-            pass  # no harm: the spare imports at normal priority
 
 
 def wake(pid: int) -> None:

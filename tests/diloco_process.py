@@ -1,0 +1,99 @@
+"""A replica group training a small model with phalanx.DiLoCo, for the fault tests.
+
+Prints JSON lines: "joined" once the wrapper is made (the job's inner step, whether
+this group healed), "sync_started" when a sync starts at this inner step, "sync" for
+every sync that ended (its outcome and a hash of the global parameters and the outer
+optimizer's state), "done" at the end. Data is seeded by (inner step, replica) so
+that every group sees different samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+import zlib
+
+import torch
+from torch import nn
+
+import phalanx
+
+
+def global_hash(diloco: phalanx.DiLoCo) -> str:
+    """Of every byte of the global parameters and the outer optimizer's tensors."""
+    digest = hashlib.sha256()
+    tensors = list(diloco.global_parameters().values())
+    for state in diloco.outer_optimizer.state_dict()["state"].values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=400, help="inner steps")
+    parser.add_argument("--sync-every", type=int, default=4)
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--overlap-steps", type=int, default=0)
+    parser.add_argument("--quantize", default=None)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
+    manager = phalanx.Manager(timeout=args.timeout)
+    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = phalanx.DiLoCo(
+        manager,
+        model,
+        inner,
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+        quantize=args.quantize,
+    )
+    print(
+        json.dumps(
+            {
+                "event": "joined",
+                **(vars(diloco.last_sync) if diloco.last_sync is not None else {}),
+                "in_flight": diloco.last_sync is None,
+                "hash": global_hash(diloco),
+            }
+        ),
+        flush=True,
+    )
+    replica = zlib.crc32(manager.replica_id.encode())
+    slot = args.sync_every // args.fragments
+    while diloco.inner_step < args.steps:
+        t = diloco.inner_step
+        diloco.zero_grad()
+        g = torch.Generator().manual_seed(t * 1000 + replica % 997)
+        x = torch.randn(32, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        loss.backward()
+        outcome = diloco.step()
+        if diloco.inner_step % slot == 0 and (outcome is None or outcome.inner_step != t + 1):
+            # A sync started here and runs during the next overlap steps.
+            event = {"event": "sync_started", "inner_step": diloco.inner_step}
+            print(json.dumps({**event, "t": time.time()}), flush=True)
+        if outcome is not None:
+            line = {"event": "sync", **vars(outcome), "hash": global_hash(diloco)}
+            print(json.dumps({**line, "loss": loss.item(), "t": time.time()}), flush=True)
+        time.sleep(args.step_sleep)
+    diloco.finish()
+    manager.shutdown()
+    print(json.dumps({"event": "done", "inner_step": diloco.inner_step}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
