@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-every", type=duration, default=15.0, help="SIGKILL a random group (0: never)"
     )
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
+    parser.add_argument(
+        "--strategy",
+        choices=["ddp", "diloco"],
+        default="ddp",
+        help="ddp: every step a transaction; diloco: local steps, a sync every --sync-every",
+    )
+    parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
     parser.add_argument("--out", type=Path, default=Path("phalanx-demo"), help="report folder")
     parser.add_argument("--seed", type=int, default=0, help="of the data and the failures")
     parser.add_argument(
@@ -157,7 +164,15 @@ def main(argv: list[str]) -> int:
         ]
     )
     train = [a for a in args.train_args if a != "--"]
-    command = [sys.executable, "-m", "phalanx.demo.train", f"--seed={args.seed}", *train]
+    command = [
+        sys.executable,
+        "-m",
+        "phalanx.demo.train",
+        f"--seed={args.seed}",
+        f"--strategy={args.strategy}",
+        f"--sync-every={args.sync_every}",
+        *train,
+    ]
 
     try:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +201,8 @@ def main(argv: list[str]) -> int:
         "kill_every_s": args.kill_every,
         "hang_every_s": args.hang_every,
         "seed": args.seed,
+        "strategy": args.strategy,
+        "sync_every": args.sync_every if args.strategy == "diloco" else None,
         "train_args": train,
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

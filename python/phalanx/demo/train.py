@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from importlib import resources
 
 import torch
@@ -92,7 +93,117 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--timeout", type=float, default=10.0, help="the Manager's budget")
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp")
+    parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
     return parser.parse_args()
+
+
+class StepLog:
+    """One JSON line per transaction of this rank: a step (DDP, HSDP) or a sync
+    (DiLoCo), with where its time went and a fingerprint of the state it committed."""
+
+    def __init__(self, manager: phalanx.Manager, began: float):
+        self.manager = manager
+        self.began = began
+        self.ready = time.time()
+
+    def write(
+        self,
+        started: float,
+        loss: float,
+        committed: bool,
+        state: Callable[[], list[torch.Tensor]],
+        **extra: object,
+    ) -> None:
+        step = self.manager.last_step
+        record = {
+            "event": "step",
+            "replica": self.manager.replica_id,
+            "rank": self.manager.group_rank,
+            "pid": os.getpid(),
+            "step": step.step,
+            "quorum_id": step.quorum_id,
+            "participants": step.participants,
+            "committed": committed,
+            "healed": step.healed,
+            "t_start": started,
+            "t_end": time.time(),
+            "quorum_s": round(step.quorum_s, 6),
+            "allreduce_s": round(step.allreduce_s, 6),
+            "commit_s": round(step.commit_s, 6),
+            "heal_s": round(step.heal_s, 6),
+            "loss": loss,
+            "fingerprint": fingerprint(state()) if committed else None,
+            "failure": step.failure,
+            "t_main": self.began,
+            "t_ready": self.ready,
+            **extra,
+        }
+        print(json.dumps(record), flush=True)
+
+
+def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
+    """DDP: every step a transaction; the gradients are averaged over the quorum."""
+    ddp = phalanx.DistributedDataParallel(model, manager)
+    optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
+    sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
+    manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
+    log = StepLog(manager, log_began)
+
+    steps = args.steps if args.steps is not None else float("inf")
+    while not stop.is_set() and manager.current_step() < steps:
+        started = time.time()
+        optimizer.zero_grad()
+        inputs, targets = corpus.batch(sampler.indices(manager))
+        loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        committed = optimizer.step()
+        if committed:
+            sampler.advance()
+        log.write(
+            started,
+            loss.item(),
+            committed,
+            lambda: training_state(model, optimizer.optimizer),
+            samples=sampler.cursor,
+        )
+
+
+def train_diloco(args, manager, model, corpus, stop, log_began) -> None:
+    """DiLoCo: each group takes `--sync-every` local AdamW steps on windows of its
+    own, then the groups sync (a transaction) and an outer Nesterov step moves the
+    global parameters. The step log has one line per sync."""
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    diloco = phalanx.DiLoCo(manager, model, inner, sync_every=args.sync_every)
+    log = StepLog(manager, log_began)
+
+    def agreed_state() -> list[torch.Tensor]:
+        state = list(diloco.global_parameters().values())
+        for buffers in diloco.outer_optimizer.state_dict()["state"].values():
+            state += [v for v in buffers.values() if isinstance(v, torch.Tensor)]
+        return state
+
+    steps = args.steps if args.steps is not None else float("inf")
+    started = time.time()
+    while not stop.is_set() and diloco.inner_step < steps:
+        diloco.zero_grad()
+        # Windows drawn by (seed, group, inner step): each group reads its own.
+        seed = zlib.crc32(f"{args.seed}/{manager.replica_id}/{diloco.inner_step}".encode())
+        indices = torch.randint(
+            len(corpus), (args.batch_size,), generator=torch.Generator().manual_seed(seed)
+        )
+        inputs, targets = corpus.batch(indices.tolist())
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        sync = diloco.step()
+        if sync is not None:
+            log.write(
+                started, loss.item(), sync.committed, agreed_state, inner_step=sync.inner_step
+            )
+            started = time.time()
+
+
+STRATEGIES = {"ddp": train_replicated, "diloco": train_diloco}
 
 
 def main() -> None:
@@ -105,55 +216,7 @@ def main() -> None:
     corpus = Corpus(genesis(), args.seq_len)
     manager = phalanx.Manager(timeout=args.timeout)
     model = Llama(LlamaConfig(dim=args.dim, layers=args.layers, seq_len=args.seq_len))
-    ddp = phalanx.DistributedDataParallel(model, manager)
-    optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
-    sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
-    manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
-
-    steps = args.steps if args.steps is not None else float("inf")
-    ready = time.time()
-    while not stop.is_set() and manager.current_step() < steps:
-        started = time.time()
-        optimizer.zero_grad()
-        inputs, targets = corpus.batch(sampler.indices(manager))
-        loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
-        loss.backward()
-        committed = optimizer.step()
-        if committed:
-            sampler.advance()
-        step = manager.last_step
-        print(
-            json.dumps(
-                {
-                    "event": "step",
-                    "replica": manager.replica_id,
-                    "rank": manager.group_rank,
-                    "pid": os.getpid(),
-                    "step": step.step,
-                    "quorum_id": step.quorum_id,
-                    "participants": step.participants,
-                    "committed": committed,
-                    "healed": step.healed,
-                    "t_start": started,
-                    "t_end": time.time(),
-                    "quorum_s": round(step.quorum_s, 6),
-                    "allreduce_s": round(step.allreduce_s, 6),
-                    "commit_s": round(step.commit_s, 6),
-                    "heal_s": round(step.heal_s, 6),
-                    "loss": loss.item(),
-                    "samples": sampler.cursor,
-                    "fingerprint": (
-                        fingerprint(training_state(model, optimizer.optimizer))
-                        if committed
-                        else None
-                    ),
-                    "failure": step.failure,
-                    "t_main": began,
-                    "t_ready": ready,
-                }
-            ),
-            flush=True,
-        )
+    STRATEGIES[args.strategy](args, manager, model, corpus, stop, began)
     manager.shutdown()
 
 
