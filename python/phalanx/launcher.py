@@ -147,8 +147,9 @@ class Launcher:
     def say(self, text: str) -> None:
         print(f"[phalanx run] {text}", flush=True)
 
-    def ready_for_chaos(self) -> bool:
-        """Whether failures may be injected yet; the clock of --chaos starts then."""
+    def trains(self) -> bool:
+        """Whether the job trains yet: the clocks of --chaos and of `run(duration)`
+        start then. A launcher that reads its ranks' steps (the demo) says when."""
         return True
 
     def on_event(self, kind: str, group: Group) -> None:
@@ -315,11 +316,8 @@ class Launcher:
                 self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
 
     def inject(self, now: float) -> None:
-        """Injects the failures that are due; the clock starts once the job is
-        `ready_for_chaos()`."""
+        """Injects the failures that are due; the clock starts once the job trains."""
         if self.next_kill is None:
-            if not self.ready_for_chaos():
-                return
             self.next_kill = now + (self.chaos.kill_every or 0)
             self.next_hang = now + (self.chaos.hang_every or 0)
         live = [g for g in self.groups if g.alive and g.stopped_until is None]
@@ -346,10 +344,26 @@ class Launcher:
                 self.signal_group(group, signal.SIGCONT)
                 self.on_event("resume", group)
 
-    def run(self, duration: float | None = None, chaos_quiet: float = 0.0) -> int:
+    def run(
+        self,
+        duration: float | None = None,
+        chaos_quiet: float = 0.0,
+        startup_timeout: float = float("inf"),
+    ) -> int:
         """Runs the job until every group finished or gave up, a signal arrives, or
-        `duration` seconds passed (then every group is stopped; that counts as
-        success). No failure is injected in the last `chaos_quiet` seconds."""
+        it trained for `duration` seconds (then every group is stopped; that counts
+        as success). No failure is injected in the last `chaos_quiet` seconds. A job
+        that does not train within `startup_timeout` seconds is stopped as failed."""
+        self._start()
+        try:
+            timed_out = self._supervise(duration, chaos_quiet, startup_timeout)
+        finally:
+            self._shut_down()
+        if self.stopping:
+            return 130
+        return 0 if timed_out or all(g.done for g in self.groups) else 1
+
+    def _start(self) -> None:
         if not self.lighthouse:
             self.lighthouse_server = _core.LighthouseServer(
                 bind=self.args.lighthouse_bind,
@@ -366,34 +380,43 @@ class Launcher:
             signal.signal(sig, self._on_signal)
         for group in self.groups:
             self.start_group(group)
-        start = time.monotonic()
         if self.spare_count:
-            self.refill_at = start + SPARE_REFILL_DELAY
-        end = start + duration if duration is not None else float("inf")
-        timed_out = False
-        try:
-            while not self.stopping:
-                self.drain(0.1)
-                now = time.monotonic()
-                if now >= end:
-                    timed_out = True
-                    break
-                self.check_groups(now)
-                if all(g.done or g.given_up for g in self.groups):
-                    break
-                if now < end - chaos_quiet:
-                    self.inject(now)
-                self.maybe_refill_spares(now)
-        finally:
-            for proc in self.spares:
-                proc.kill()
-                proc.wait()
-            self.stop_groups(self.groups)
-            if self.lighthouse_server is not None:
-                self.lighthouse_server.shutdown()
-        if self.stopping:
-            return 130
-        return 0 if timed_out or all(g.done for g in self.groups) else 1
+            self.refill_at = time.monotonic() + SPARE_REFILL_DELAY
+
+    def _supervise(
+        self, duration: float | None, chaos_quiet: float, startup_timeout: float
+    ) -> bool:
+        """The launcher's loop; True when it ended because `duration` passed."""
+        start = time.monotonic()
+        trains_since: float | None = None
+        while not self.stopping:
+            self.drain(0.1)
+            now = time.monotonic()
+            if trains_since is None and self.trains():
+                trains_since = now
+            if trains_since is None and now - start > startup_timeout:
+                self.say(f"no group trained within {startup_timeout:g} s; stopping")
+                return False
+            end = float("inf")
+            if duration is not None and trains_since is not None:
+                end = trains_since + duration
+            if now >= end:
+                return True
+            self.check_groups(now)
+            if all(g.done or g.given_up for g in self.groups):
+                return False
+            if trains_since is not None and now < end - chaos_quiet:
+                self.inject(now)
+            self.maybe_refill_spares(now)
+        return False
+
+    def _shut_down(self) -> None:
+        for proc in self.spares:
+            proc.kill()
+            proc.wait()
+        self.stop_groups(self.groups)
+        if self.lighthouse_server is not None:
+            self.lighthouse_server.shutdown()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.say(f"{signal.Signals(signum).name}: stopping every group")

@@ -18,6 +18,9 @@ from phalanx import launcher
 from phalanx.demo.display import Progress
 from phalanx.demo.report import analyze, plot, summary_table
 
+#: Seconds the groups may take to commit their first step.
+STARTUP_TIMEOUT = 180.0
+
 
 class DemoJob(launcher.Launcher):
     """The launcher, watching its groups: every step line of a rank goes to the step
@@ -76,8 +79,8 @@ class DemoJob(launcher.Launcher):
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
 
-    def ready_for_chaos(self) -> bool:
-        # Failures are injected into a job that trains, not into one still starting.
+    def trains(self) -> bool:
+        # The demo's time and its failures count from the first committed step.
         return bool(self._latest)
 
     def _step(self, record: dict[str, Any]) -> None:
@@ -121,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "failing, on this machine, and report what the job achieved.",
     )
     duration = launcher.parse_duration
-    parser.add_argument("--duration", type=duration, default=120.0, help="e.g. 2m, 90s")
+    parser.add_argument(
+        "--duration",
+        type=duration,
+        default=120.0,
+        help="training time, from the first step: 2m, 90s",
+    )
     parser.add_argument("--replicas", type=int, default=3, help="replica groups")
     parser.add_argument("--nproc-per-replica", type=int, default=1, help="ranks per group")
     parser.add_argument(
@@ -186,7 +194,11 @@ def main(argv: list[str]) -> int:
     )
     job = DemoJob(job_args, command, args.out, progress)
     try:
-        code = job.run(duration=args.duration, chaos_quiet=min(5.0, (args.kill_every or 0) / 2))
+        code = job.run(
+            duration=args.duration,
+            chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
+            startup_timeout=STARTUP_TIMEOUT,
+        )
     finally:
         job.close()
     ended = time.time()
