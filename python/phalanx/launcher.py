@@ -193,7 +193,6 @@ class Launcher:
                 proc.stdin.close()
             except OSError:
                 continue
-            spare.wake(proc.pid)
             key = self.selector.get_key(proc.stdout)
             key.data.group, key.data.rank = output.group, output.rank
             return proc

@@ -3,8 +3,9 @@ waits for the rank it will become. `phalanx run` keeps one per rank of a group, 
 restarted group does not spend its first seconds importing torch (2 s of CPU here,
 more on a loaded machine) before it can heal.
 
-A spare imports on idle CPU only (SCHED_IDLE) where it may return to normal
-scheduling afterwards, so that warming up never slows the ranks that train.
+A spare imports at normal priority: on a machine whose cores the ranks keep busy, a
+spare on idle CPU only would never warm up, and the import costs the same CPU as a
+cold restart's, only off the recovery's critical path.
 
 The launcher writes one JSON line to the spare's stdin, `{"argv": [...], "env": {...}}`
 (argv as for a new interpreter: `python -m module ...` or `python script.py ...`), and
@@ -13,7 +14,6 @@ the spare runs it as `__main__` in this process.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import runpy
@@ -49,30 +49,8 @@ def runnable(argv: list[str]) -> bool:
     return argv[1].endswith(".py")
 
 
-def _may_leave_idle_scheduling() -> bool:
-    """Leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that allows nice 0."""
-    import resource
-
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
-
-
-def _scheduling(policy_name: str, pid: int = 0) -> None:
-    policy = getattr(os, policy_name, None)
-    if policy is not None:
-        # On failure no harm is done: the spare imports at normal priority.
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(pid, policy, os.sched_param(0))
-
-
-def wake(pid: int) -> None:
-    """Back to normal scheduling, from the launcher, as the spare is given its rank: a
-    spare still importing on a busy machine would otherwise starve in SCHED_IDLE."""
-    _scheduling("SCHED_OTHER", pid)
-
-
 def become(argv: list[str], env: dict[str, str]) -> None:
     """Runs `argv` (see `runnable`) as this process's program, with `env`."""
-    _scheduling("SCHED_OTHER")
     os.environ.clear()
     os.environ.update(env)
     if argv[1] == "-m":
@@ -87,8 +65,6 @@ def become(argv: list[str], env: dict[str, str]) -> None:
 def main() -> None:
     import importlib
 
-    if hasattr(os, "sched_setscheduler") and _may_leave_idle_scheduling():
-        _scheduling("SCHED_IDLE")
     for name in WARM_IMPORTS:
         importlib.import_module(name)
     line = sys.stdin.readline()
