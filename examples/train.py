@@ -1,0 +1,1 @@
+../python/phalanx/demo/train.py
