@@ -168,7 +168,7 @@ def test_a_group_on_another_host_is_killed_and_heals_over_the_network(
         launcher += ["--restart-backoff", "0.1", "--", *TRAIN]
         # Peers reach this group's servers at its own address; gloo is told to use
         # eth0, since this machine's host name resolves to loopback in a namespace.
-        env = {"PHALANX_ADVERTISE_HOST": host.address, "GLOO_SOCKET_IFNAME": "eth0"}
+        env = {"PHALANX_ADVERTISE_HOST": host.address}
         groups[replica] = spawn(replica, host.command(launcher), env)
     a, b = groups["group-a"], groups["group-b"]
 

@@ -36,6 +36,7 @@ from phalanx.process_group import (
     Membership,
     Pending,
     backend_for,
+    gloo_group,
 )
 
 log = logging.getLogger("phalanx.manager")
@@ -286,7 +287,8 @@ class Manager:
         from phalanx.recovery import StateHost
 
         self._host = StateHost(bind="0.0.0.0:0", advertise_host=host, token=self._token)
-        self._pg = FaultTolerantProcessGroup(self.timeouts.collective)
+        self._advertised_host = host
+        self._pg = FaultTolerantProcessGroup(self.timeouts.collective, host=host)
         self._watcher = threading.Thread(
             target=self._watch_membership, name="phalanx-membership", daemon=True
         )
@@ -434,11 +436,12 @@ class Manager:
         store), for what stays inside the group. A rank's death ends the group anyway."""
         if self._group_pg is None:
             store = dist.PrefixStore("phalanx/group", self._store)
-            self._group_pg = dist.ProcessGroupGloo(
+            self._group_pg = gloo_group(
                 store,
                 self.group_rank,
                 self.group_world_size,
                 timedelta(seconds=self.timeouts.collective),
+                self._advertised_host,
             )
         return self._group_pg
 

@@ -43,17 +43,35 @@ class Membership:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
 
 
-def _connect(membership: Membership, backend: str, timeout: timedelta) -> dist.ProcessGroup:
-    host, _, port = membership.store_address.rpartition(":")
+def gloo_group(
+    store: dist.Store, rank: int, size: int, timeout: timedelta, host: str | None
+) -> dist.ProcessGroupGloo:
+    """A gloo group whose connections use the address of `host` (the one this rank
+    advertises), not whatever the machine's host name resolves to: in a container or
+    a network namespace that is often loopback, and peers on other hosts could not
+    connect. The device options are torch's underscore-named ones; tests cover them."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    if host:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _connect(
+    membership: Membership, backend: str, timeout: timedelta, host: str | None = None
+) -> dist.ProcessGroup:
+    store_host, _, port = membership.store_address.rpartition(":")
     store = dist.TCPStore(
-        host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False
+        store_host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False
     )
     store = dist.PrefixStore(membership.prefix, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, membership.rank, membership.world_size, options)
-    return dist.ProcessGroupGloo(store, membership.rank, membership.world_size, timeout)
+    return gloo_group(store, membership.rank, membership.world_size, timeout, host)
 
 
 class CollectiveFailed(Exception):
@@ -68,9 +86,15 @@ class FaultTolerantProcessGroup:
     `CollectiveFailed` rather than hanging or crashing.
     """
 
-    def __init__(self, timeout: float, connect: Callable[..., dist.ProcessGroup] = _connect):
+    def __init__(
+        self,
+        timeout: float,
+        connect: Callable[..., dist.ProcessGroup] = _connect,
+        host: str | None = None,
+    ):
         self._timeout = timedelta(seconds=timeout)
         self._connect = connect
+        self._host = host
         self._membership: Membership | None = None
         self._group: dist.ProcessGroup | None = None
         self._backend: str | None = None
@@ -85,7 +109,7 @@ class FaultTolerantProcessGroup:
         if membership == self._membership and backend == self._backend:
             return
         self.reset()
-        self._group = self._connect(membership, backend, self._timeout)
+        self._group = self._connect(membership, backend, self._timeout, self._host)
         self._membership = membership
         self._backend = backend
 
