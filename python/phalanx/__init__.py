@@ -39,6 +39,7 @@ from phalanx._core import (
 if TYPE_CHECKING:
     from phalanx.ddp import DistributedDataParallel
     from phalanx.diloco import DiLoCo, LocalSGD
+    from phalanx.hsdp import fully_shard_hsdp
     from phalanx.manager import Manager
     from phalanx.optim import Optimizer
 
@@ -48,6 +49,7 @@ _LAZY = {
     "DistributedDataParallel": "phalanx.ddp",
     "DiLoCo": "phalanx.diloco",
     "LocalSGD": "phalanx.diloco",
+    "fully_shard_hsdp": "phalanx.hsdp",
 }
 
 
@@ -78,4 +80,5 @@ __all__ = [
     "RecoverySource",
     "ReplicaStatus",
     "__version__",
+    "fully_shard_hsdp",
 ]

@@ -9,6 +9,9 @@ straight into its own tensors.
   encoding — never pickle) and then every tensor's bytes, striped over all sources,
   each chunk checked against its checksum. A tensor of the local state with the same
   path, dtype and shape receives its bytes in place; any other is allocated.
+- A DTensor (a shard of a tensor sharded over the ranks of a replica group, as FSDP2
+  makes them) travels as its local shard, `to_local()`, plus its layout: rank i of a
+  healing group receives rank i's shard into its own DTensor's local tensor.
 
 Only ranks that present the job token and name the published step and quorum id are
 served (I8); every wait has a deadline (I6).
@@ -31,15 +34,20 @@ import base64
 import bisect
 import json
 import logging
+import re
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx import _core
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
 
 __all__ = ["IncompatibleStateError", "StateHost", "heal"]
 
@@ -58,6 +66,13 @@ _SENDABLE = (
 
 class IncompatibleStateError(ValueError):
     """The state the sources serve cannot be loaded into this rank's state."""
+
+
+def _is_dtensor(value: Any) -> bool:
+    """Without importing torch.distributed.tensor (half a second): a process that has
+    not imported it holds no DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 # -- encoding (the serving side) ---------------------------------------------------------
@@ -117,6 +132,8 @@ class _Encoder:
         return {"t": "tensor", "index": len(self.table) - 1}
 
     def value(self, value: Any, path: str) -> dict[str, Any]:
+        if _is_dtensor(value):
+            return self.dtensor(value, path)
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
         if isinstance(value, Mapping):
@@ -127,6 +144,13 @@ class _Encoder:
             kind = "list" if isinstance(value, list) else "tuple"
             return {"t": kind, "v": [self.value(v, f"{path}/{i}") for i, v in enumerate(value)]}
         return _scalar(value, path)
+
+    def dtensor(self, value: DTensor, path: str) -> dict[str, Any]:
+        """Only this rank's shard travels; its layout says where it belongs."""
+        node = self.tensor(value.to_local(), path)
+        node["t"] = "dtensor"
+        node["layout"] = _layout(value)
+        return node
 
     def mapping(self, value: Mapping, path: str) -> dict[str, Any]:
         items = [
@@ -163,6 +187,53 @@ def _scalar(value: Any, path: str) -> dict[str, Any]:
         f"cannot serve {path!r}: a {type(value).__name__} is not one of the types phalanx"
         f" sends ({_SENDABLE}); convert it in your state_dict function"
     )
+
+
+def _placement_name(placement: Placement) -> str:
+    """The name of a placement: S(0), R, P(sum); any other by its repr (matched, never
+    rebuilt)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if type(placement) is Shard:
+        return f"S({placement.dim})"
+    if type(placement) is Replicate:
+        return "R"
+    if type(placement) is Partial:
+        return f"P({placement.reduce_op})"
+    return repr(placement)
+
+
+def _placement(name: str) -> Placement | None:
+    """The placement a `_placement_name` stands for, None for one it cannot rebuild."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if name == "R":
+        return Replicate()
+    match = re.fullmatch(r"S\((\d+)\)", name)
+    if match:
+        return Shard(int(match.group(1)))
+    match = re.fullmatch(r"P\((\w+)\)", name)
+    return Partial(match.group(1)) if match else None
+
+
+def _layout(value: DTensor) -> dict[str, Any]:
+    """Where a DTensor's shards lie: its global shape and stride, its placements, and
+    the shape of its device mesh (a rank heals only into the same layout)."""
+    mesh = value.device_mesh
+    return {
+        "shape": list(value.shape),
+        "stride": list(value.stride()),
+        "placements": [_placement_name(p) for p in value.placements],
+        "mesh": _mesh_layout(mesh),
+    }
+
+
+def _mesh_layout(mesh: Any) -> dict[str, Any]:
+    return {
+        "device": mesh.device_type,
+        "shape": list(mesh.shape),
+        "dims": list(mesh.mesh_dim_names or []),
+    }
 
 
 def encode_state(state: Mapping[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
@@ -244,16 +315,17 @@ def _child(local: Any, key: Any) -> Any:
 class _Receiver:
     """Picks, for every tensor of the manifest, the memory its bytes go to."""
 
-    def __init__(self, table: Any) -> None:
+    def __init__(self, table: Any, meshes: Sequence[Any] = ()) -> None:
         if not isinstance(table, list):
             raise _malformed("tensors", "not a list")
         self.table = table
+        self.meshes = list(meshes)
         self.dest: list[torch.Tensor | None] = [None] * len(table)
         self.device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._claimed: list[tuple[int, int]] = []  # sorted (start, end) of reused memory
         self.reused = 0
 
-    def tensor(self, node: dict, local: Any, path: str) -> torch.Tensor:
+    def _entry(self, node: dict, path: str) -> tuple[int, torch.dtype, torch.Size]:
         index = node.get("index")
         if not isinstance(index, int) or not 0 <= index < len(self.table):
             raise _malformed(path, f"tensor index {index!r} outside the table")
@@ -269,14 +341,82 @@ class _Receiver:
         expected = torch.Size(shape).numel() * dtype.itemsize
         if entry.get("nbytes") != expected:
             raise _malformed(path, f"{entry.get('nbytes')!r} bytes for {dtype} of shape {shape}")
-        result = self._destination(local, dtype, torch.Size(shape))
-        if isinstance(local, torch.Tensor) and local.is_cuda and result is local:
-            staged = torch.empty(shape, dtype=dtype, pin_memory=True)
-            self.device_copies.append((staged, local))
+        return index, dtype, torch.Size(shape)
+
+    def _land(self, index: int, target: torch.Tensor) -> None:
+        """The bytes of tensor `index` go to `target`, through host memory for a GPU."""
+        if target.is_cuda:
+            staged = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
+            self.device_copies.append((staged, target))
             self.dest[index] = staged
         else:
-            self.dest[index] = result
+            self.dest[index] = target
+
+    def tensor(self, node: dict, local: Any, path: str) -> torch.Tensor:
+        index, dtype, shape = self._entry(node, path)
+        if _is_dtensor(local):
+            raise _parallelism_differs(path, "a plain tensor", "a DTensor")
+        result = self._destination(local, dtype, shape)
+        self._land(index, result)
         return result
+
+    def dtensor(self, node: dict, local: Any, path: str) -> torch.Tensor:
+        """This rank's shard lands in the local DTensor's shard, in place, when both
+        lie the same way; without a local DTensor (a fresh optimizer has no state
+        yet) a new one is built on this rank's device mesh of that layout."""
+        index, dtype, shape = self._entry(node, path)
+        layout = _parse_layout(node.get("layout"), path)
+        if not torch.distributed.is_available():
+            raise IncompatibleStateError(
+                f"{path!r} is a DTensor on the sources, but this torch has no"
+                " torch.distributed; run the same torch build on every rank"
+            )
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(local, DTensor):
+            _check_layout(local, layout, shape, path)
+            shard = local.to_local()
+            if self._reusable(shard, dtype, shape):
+                self.reused += 1
+                self._land(index, shard)
+                return local
+            mesh = local.device_mesh
+        elif isinstance(local, torch.Tensor):
+            raise _parallelism_differs(path, "a DTensor", "a plain tensor")
+        else:
+            mesh = self._mesh(layout, path)
+        placements = [_placement(name) for name in layout["placements"]]
+        if any(p is None for p in placements):
+            raise IncompatibleStateError(
+                f"{path!r} has placements {layout['placements']} that phalanx cannot rebuild"
+                " without a matching DTensor in this rank's state; build the state (e.g. take"
+                " an optimizer step) before the heal"
+            )
+        device = torch.device("cpu")
+        if mesh.device_type != "cpu":
+            device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        shard = torch.empty(shape, dtype=dtype, device=device)
+        self._land(index, shard)
+        return DTensor.from_local(
+            shard,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(layout["shape"]),
+            stride=tuple(layout["stride"]),
+        )
+
+    def _mesh(self, layout: dict[str, Any], path: str) -> Any:
+        """The one device mesh of this rank's state that has the served layout."""
+        found = [mesh for mesh in self.meshes if _mesh_layout(mesh) == layout["mesh"]]
+        if len(found) != 1:
+            why = "none" if not found else f"{len(found)} different ones"
+            raise IncompatibleStateError(
+                f"{path!r} is a DTensor on a device mesh {layout['mesh']} on the sources, and"
+                f" this rank's state holds {why} of that layout; shard the model the same way"
+                " on every replica group (e.g. phalanx.fully_shard_hsdp) before it heals"
+            )
+        return found[0]
 
     def _destination(self, local: Any, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         if self._reusable(local, dtype, shape):
@@ -324,6 +464,8 @@ def _decode(node: Any, local: Any, path: str, rx: _Receiver) -> Any:
         return _SCALARS[kind](node, path)
     if kind == "tensor":
         return rx.tensor(node, local, path)
+    if kind == "dtensor":
+        return rx.dtensor(node, local, path)
     if kind in ("list", "tuple"):
         items = [
             _decode(child, _child(local, i), f"{path}/{i}", rx)
@@ -333,6 +475,66 @@ def _decode(node: Any, local: Any, path: str, rx: _Receiver) -> Any:
     if kind in ("dict", "odict"):
         return _decode_mapping(node, local, path, rx)
     raise _malformed(path, f"unknown entry type {kind!r}")
+
+
+def _parallelism_differs(path: str, served: str, local: str) -> IncompatibleStateError:
+    return IncompatibleStateError(
+        f"{path!r} is {served} on the sources but {local} on this rank; apply the same"
+        " parallelism (e.g. phalanx.fully_shard_hsdp) on every replica group"
+    )
+
+
+def _parse_layout(layout: Any, path: str) -> dict[str, Any]:
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in value
+        )
+
+    mesh = layout.get("mesh") if isinstance(layout, dict) else None
+    if not (
+        isinstance(layout, dict)
+        and ints(layout.get("shape"))
+        and ints(layout.get("stride"))
+        and isinstance(layout.get("placements"), list)
+        and all(isinstance(p, str) for p in layout["placements"])
+        and isinstance(mesh, dict)
+        and isinstance(mesh.get("device"), str)
+        and ints(mesh.get("shape"))
+        and isinstance(mesh.get("dims"), list)
+        and all(isinstance(d, str) for d in mesh["dims"])
+    ):
+        raise _malformed(path, f"bad DTensor layout {layout!r}")
+    return layout
+
+
+def _check_layout(local: DTensor, layout: dict[str, Any], shard: torch.Size, path: str) -> None:
+    """A shard fits only a DTensor sharded the same way over a mesh of the same shape."""
+    ours = {**_layout(local), "stride": layout["stride"]}  # shards are sent contiguous
+    local_shard = tuple(local.to_local().shape)
+    if ours != layout or local_shard != tuple(shard):
+        raise IncompatibleStateError(
+            f"{path!r} is sharded differently here than on the sources: this rank holds a"
+            f" shard of shape {list(local_shard)} of {ours}, the sources serve a shard of"
+            f" shape {list(shard)} of {layout}; give every replica group the same number of"
+            " ranks and the same parallelism"
+        )
+
+
+def _device_meshes(state: Any) -> list[Any]:
+    """The device meshes of the DTensors in `state`, each once (equal meshes are one:
+    they name the same ranks in the same layout)."""
+    found: list[Any] = []
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if _is_dtensor(value):
+            if not any(value.device_mesh == m for m in found):
+                found.append(value.device_mesh)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return found
 
 
 def _decode_key(node: Any, path: str) -> Any:
@@ -500,7 +702,7 @@ def heal(
     manifest = _parse(_core.fetch_manifest(sources, step, quorum_id, token=token, timeout=timeout))
     served = manifest["state"]
     _check_names(served, state)
-    rx = _Receiver(manifest.get("tensors"))
+    rx = _Receiver(manifest.get("tensors"), _device_meshes(state))
     healed = {name: _decode(node, state.get(name), name, rx) for name, node in served.items()}
     regions = rx.regions()
     left = deadline - time.monotonic()
