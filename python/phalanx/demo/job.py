@@ -138,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
     parser.add_argument(
         "--strategy",
-        choices=["ddp", "diloco"],
+        choices=["ddp", "hsdp", "diloco"],
         default="ddp",
-        help="ddp: every step a transaction; diloco: local steps, a sync every --sync-every",
+        help="ddp: every step a transaction; hsdp: FSDP2 inside a group (use "
+        "--nproc-per-replica 2); diloco: local steps, a sync every --sync-every",
     )
     parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
     parser.add_argument("--out", type=Path, default=Path("phalanx-demo"), help="report folder")

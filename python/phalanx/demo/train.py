@@ -68,10 +68,11 @@ def fingerprint(tensors: list[torch.Tensor]) -> str:
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's model and optimizer tensors (its own shards, under HSDP)."""
     tensors = list(model.state_dict().values())
     for state in optimizer.state_dict()["state"].values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 def stop_on_sigterm() -> threading.Event:
@@ -143,8 +144,12 @@ class StepLog:
 
 
 def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
-    """DDP: every step a transaction; the gradients are averaged over the quorum."""
-    ddp = phalanx.DistributedDataParallel(model, manager)
+    """DDP or HSDP: every step a transaction; the gradients (HSDP: each rank's shard
+    of them) are averaged over the quorum."""
+    if args.strategy == "hsdp":
+        model = phalanx.fully_shard_hsdp(model, manager, units=model.blocks)
+    else:
+        model = phalanx.DistributedDataParallel(model, manager)
     optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
     manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
@@ -155,7 +160,7 @@ def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
         started = time.time()
         optimizer.zero_grad()
         inputs, targets = corpus.batch(sampler.indices(manager))
-        loss = F.cross_entropy(ddp(inputs).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
         committed = optimizer.step()
         if committed:
@@ -203,7 +208,7 @@ def train_diloco(args, manager, model, corpus, stop, log_began) -> None:
             started = time.time()
 
 
-STRATEGIES = {"ddp": train_replicated, "diloco": train_diloco}
+STRATEGIES = {"ddp": train_replicated, "hsdp": train_replicated, "diloco": train_diloco}
 
 
 def main() -> None:
