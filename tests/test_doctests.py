@@ -14,7 +14,7 @@ MODULES = [
     "phalanx.launcher",
     "phalanx.recovery",
     "phalanx.data",
-    "phalanx.spare",
+    "phalanx.forkserver",
     "phalanx.demo.model",
     "phalanx.demo.report",
 ]

@@ -163,8 +163,7 @@ def test_a_group_on_another_host_is_killed_and_heals_over_the_network(
         launcher = [sys.executable, "-m", "phalanx", "run", "--replicas", "1"]
         launcher += ["--replica-id", replica, "--lighthouse", lighthouse_address]
         launcher += ["--token", TOKEN]
-        # No warm spares: on 2 cores they would compete with training; cold restarts.
-        launcher += ["--master-addr", host.address, "--warm-spares", "0"]
+        launcher += ["--master-addr", host.address]
         launcher += ["--restart-backoff", "0.1", "--", *TRAIN]
         # Peers reach this group's servers at its own address; gloo is told to use
         # eth0, since this machine's host name resolves to loopback in a namespace.

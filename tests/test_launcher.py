@@ -133,28 +133,35 @@ def children(pid: int) -> set[int]:
     return found
 
 
-def test_a_restarted_group_starts_from_a_warm_spare_with_its_own_environment():
-    # The rank fails once after the spare has had time to import torch.
-    done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "6", "3")
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`."""
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = set().union(*(children(p) for p in frontier)) - found
+        found |= frontier
+    return found
+
+
+def test_a_restarted_group_is_forked_with_its_own_environment():
+    done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "0", "3")
 
     assert done.returncode == 1
     runs = reports(done.stdout)
     assert len(runs) == 2, done.stdout
-    assert "1 from warm spares" in done.stdout, done.stdout
-    (_, cold), (_, warm) = runs
-    assert warm["pid"] != cold["pid"]
+    assert done.stdout.count("(1 rank(s), forked, pids") == 2, done.stdout
+    (_, first), (_, second) = runs
+    assert second["pid"] != first["pid"]
     for key in ("PHALANX_REPLICA_ID", "RANK", "WORLD_SIZE", "PHALANX_LIGHTHOUSE"):
-        assert warm[key] == cold[key], key
-    assert warm["MASTER_PORT"] != cold["MASTER_PORT"], "a restarted group gets a fresh store"
+        assert second[key] == first[key], key
+    assert second["MASTER_PORT"] != first["MASTER_PORT"], "a restarted group gets a fresh store"
 
 
-def wait_until_spare(launcher: int) -> set[int]:
-    """The launcher's children once a warm spare is among them (ranks + 1)."""
-    deadline = time.monotonic() + 15
-    while len(found := children(launcher)) < 3:
-        assert time.monotonic() < deadline, "no warm spare was started"
-        time.sleep(0.1)
-    return found
+def test_without_the_fork_server_ranks_are_new_processes():
+    done = launch("--no-fork-server", "--", RANK, "0", "0")
+
+    assert done.returncode == 0, done.stdout
+    assert "(1 rank(s), new processes, pids" in done.stdout
+    assert len(reports(done.stdout)) == 1
 
 
 def test_sigterm_stops_every_rank_and_leaves_no_orphan():
@@ -172,11 +179,11 @@ def test_sigterm_stops_every_rank_and_leaves_no_orphan():
             line = launcher.stdout.readline()
             pids += [env["pid"] for _, env in reports(line)]
         assert len(pids) == 2
-        spares = wait_until_spare(launcher.pid)
+        below = descendants(launcher.pid)
+        assert set(pids) <= below
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(15) == 130
-        assert not any(alive(pid) for pid in pids)
-        assert not any(alive(pid) for pid in spares), "the warm spare outlived the launcher"
+        assert not any(alive(pid) for pid in below), "a process outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()

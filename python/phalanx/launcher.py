@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import json
 import os
 import random
 import re
@@ -28,15 +26,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from phalanx import _core, spare
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in each child before exec: if the launcher dies, so does the child."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+from phalanx import _core
+from phalanx.forkserver import ForkServer, die_with_parent, runnable
 
 
 def parse_duration(text: str) -> float:
@@ -102,17 +93,12 @@ class Group:
 
 @dataclass
 class _Output:
-    """A child's stdout: whose it is (a spare's belongs to no group yet) and the
+    """A child's stdout: whose it is (the fork server's belongs to no group) and the
     part of a line read so far."""
 
     group: Group | None
     rank: int
     pending: bytearray = field(default_factory=bytearray)
-
-
-#: Seconds between a spare becoming a rank and its replacement starting to import,
-#: so that the import does not compete with the restarted group's heal.
-SPARE_REFILL_DELAY = 3.0
 
 
 def _free_port() -> int:
@@ -137,10 +123,7 @@ class Launcher:
         self.groups = [Group(replica_id) for replica_id in ids]
         self.selector = selectors.DefaultSelector()
         self.stopping = False
-        self.spares: list[subprocess.Popen] = []
-        spares = args.warm_spares if args.warm_spares is not None else args.nproc_per_replica
-        self.spare_count = spares if spare.runnable(command) else 0
-        self.refill_at: float | None = None
+        self.fork_server: ForkServer | None = None
         self.next_kill: float | None = None
         self.next_hang: float | None = None
 
@@ -158,51 +141,39 @@ class Launcher:
 
     # -- processes ----------------------------------------------------------------
 
-    def _spawn(self, argv: list[str], env: dict[str, str], output: _Output, stdin: int):
+    def _listen(self, stdout, output: _Output) -> None:
+        os.set_blocking(stdout.fileno(), False)
+        self.selector.register(stdout, selectors.EVENT_READ, output)
+
+    def _spawn(self, env: dict[str, str], output: _Output) -> subprocess.Popen:
         proc = subprocess.Popen(
-            argv,
+            self.command,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            stdin=stdin,
-            preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
         )
-        os.set_blocking(proc.stdout.fileno(), False)
-        self.selector.register(proc.stdout, selectors.EVENT_READ, output)
+        self._listen(proc.stdout, output)
         return proc
 
-    def refill_spares(self) -> None:
-        self.spares = [p for p in self.spares if p.poll() is None]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        while len(self.spares) < self.spare_count:
-            argv = [sys.executable, "-m", "phalanx.spare"]
-            self.spares.append(self._spawn(argv, env, _Output(None, 0), subprocess.PIPE))
-
-    def maybe_refill_spares(self, now: float) -> None:
-        if self.refill_at is not None and now >= self.refill_at:
-            self.refill_at = None
-            self.refill_spares()
-
-    def _from_spare(self, env: dict[str, str], output: _Output) -> subprocess.Popen | None:
-        while self.spares:
-            proc = self.spares.pop(0)
-            if proc.poll() is not None:
-                continue
-            try:
-                proc.stdin.write(json.dumps({"argv": self.command, "env": env}).encode() + b"\n")
-                proc.stdin.close()
-            except OSError:
-                continue
-            key = self.selector.get_key(proc.stdout)
-            key.data.group, key.data.rank = output.group, output.rank
-            return proc
-        return None
+    def _fork(self, env: dict[str, str], output: _Output):
+        """A rank forked by the fork server, or None if there is none (any more)."""
+        if self.fork_server is None:
+            return None
+        try:
+            rank = self.fork_server.start(self.command, env)
+        except ConnectionError as e:
+            self.say(f"{e}; ranks start as new processes from now on")
+            self.fork_server = None
+            return None
+        self._listen(rank.stdout, output)
+        return rank
 
     def start_group(self, group: Group) -> None:
         port = _free_port()
         world = self.args.nproc_per_replica
         group.procs = []
-        warm = 0
         for rank in range(world):
             env = {
                 **os.environ,
@@ -218,16 +189,10 @@ class Launcher:
             if self.args.token:
                 env["PHALANX_TOKEN"] = self.args.token
             output = _Output(group, rank)
-            proc = self._from_spare(env, output)
-            if proc is None:
-                proc = self._spawn(self.command, env, output, subprocess.DEVNULL)
-            else:
-                warm += 1
-            group.procs.append(proc)
-        if warm:
-            self.refill_at = time.monotonic() + SPARE_REFILL_DELAY
+            group.procs.append(self._fork(env, output) or self._spawn(env, output))
+        how = "forked" if self.fork_server is not None else "new processes"
         self.say(
-            f"started {group.replica_id} ({world} rank(s), {warm} from warm spares, pids "
+            f"started {group.replica_id} ({world} rank(s), {how}, pids "
             f"{', '.join(str(p.pid) for p in group.procs)})"
         )
         self.on_event("start", group)
@@ -273,7 +238,7 @@ class Launcher:
                 key.fileobj.close()
             for line in lines:
                 if output.group is None:
-                    self.say(f"warm spare: {line.decode(errors='replace')}")
+                    self.say(f"fork server: {line.decode(errors='replace')}")
                 else:
                     self.emit(output.group, output.rank, line)
 
@@ -377,10 +342,11 @@ class Launcher:
             )
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        if self.args.fork_server and runnable(self.command):
+            self.fork_server = ForkServer()
+            self._listen(self.fork_server.process.stdout, _Output(None, 0))
         for group in self.groups:
             self.start_group(group)
-        if self.spare_count:
-            self.refill_at = time.monotonic() + SPARE_REFILL_DELAY
 
     def _supervise(
         self, duration: float | None, chaos_quiet: float, startup_timeout: float
@@ -406,14 +372,12 @@ class Launcher:
                 return False
             if trains_since is not None and now < end - chaos_quiet:
                 self.inject(now)
-            self.maybe_refill_spares(now)
         return False
 
     def _shut_down(self) -> None:
-        for proc in self.spares:
-            proc.kill()
-            proc.wait()
         self.stop_groups(self.groups)
+        if self.fork_server is not None:
+            self.fork_server.close()
         if self.lighthouse_server is not None:
             self.lighthouse_server.shutdown()
 
@@ -445,10 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--chaos-seed", type=int, default=0)
     parser.add_argument(
-        "--warm-spares",
-        type=int,
-        help="interpreters kept with torch imported, to restart ranks fast "
-        "(default: one per rank of a group; 0: none)",
+        "--fork-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork Python ranks from one interpreter that imported torch once, so a "
+        "restarted rank starts at once (default: on, for python scripts and modules)",
     )
     return parser
 
@@ -467,8 +432,6 @@ def main(argv: list[str]) -> int:
         command = [sys.executable, *command]
     if args.replicas < 1 or args.nproc_per_replica < 1:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
-    if args.warm_spares is not None and args.warm_spares < 0:
-        parser.error("--warm-spares must be 0 or more")
     try:
         Chaos.parse(args.chaos)
     except ValueError as e:
