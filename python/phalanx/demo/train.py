@@ -117,6 +117,8 @@ class StepLog:
         **extra: object,
     ) -> None:
         step = self.manager.last_step
+        # The fingerprint is part of this loop's step: t_end comes after it.
+        agreed = fingerprint(state()) if committed else None
         record = {
             "event": "step",
             "replica": self.manager.replica_id,
@@ -134,7 +136,7 @@ class StepLog:
             "commit_s": round(step.commit_s, 6),
             "heal_s": round(step.heal_s, 6),
             "loss": loss,
-            "fingerprint": fingerprint(state()) if committed else None,
+            "fingerprint": agreed,
             "failure": step.failure,
             "t_main": self.began,
             "t_ready": self.ready,
