@@ -280,9 +280,10 @@ def test_a_source_killed_mid_heal_is_replaced_by_the_others(spawn):
     thread.join(timeout=30.0)
     assert "error" not in outcome, outcome.get("error")
     stats = outcome["stats"]
-    assert list(stats.failed_sources) == [addresses[1]], stats
-    # It died owing part of its stripe (a third of the bytes): fetched from the others.
-    # (Whether a chunk was in flight at the kill depends on timing, so not asserted.)
+    # It died owing part of its stripe (a third of the bytes), fetched from the others.
+    # Whether the fetcher saw it fail, or had already handed its last chunks to faster
+    # sources when it died (on a loaded machine), depends on timing: both are fine.
+    assert set(stats.failed_sources) <= {addresses[1]}, stats
     assert stats.per_source_bytes[addresses[1]] < stats.bytes / 3, stats
     model.load_state_dict(outcome["state"]["model"])
     optimizer.load_state_dict(outcome["state"]["optim"])
