@@ -9,6 +9,8 @@ job. Without --lighthouse, the launcher serves one itself; with it, the groups j
 that job, which is how a multi-host job is started (one `phalanx run --replicas 1
 --replica-id …` per host). A group is all or nothing: when one of its ranks dies, the
 rest are stopped and the group restarts (with backoff, up to --max-restarts times).
+Python ranks are forked by a fork server that imported torch once (phalanx.forkserver),
+so a restarted rank starts at once.
 """
 
 from __future__ import annotations
