@@ -10,12 +10,17 @@ Either way the caller gets a failed result and discards the step.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+#: How often a wait for a collective looks at the abort flag: the delay between the
+#: lighthouse's push that a peer died and the step giving up.
+ABORT_CHECK_S = 0.005
 
 
 def backend_for(device: torch.device) -> str:
@@ -163,14 +168,11 @@ class Pending:
         self._done.set()
 
     def wait(self) -> None:
-        deadline = self._timeout
-        slice_s = 0.05
-        waited = 0.0
-        while not self._done.wait(slice_s):
-            waited += slice_s
+        deadline = time.monotonic() + self._timeout
+        while not self._done.wait(ABORT_CHECK_S):
             if self._abort.is_set():
                 raise CollectiveFailed("aborted: a replica group of the quorum died")
-            if waited >= deadline:
-                raise CollectiveFailed(f"all-reduce did not complete within {deadline:.1f} s")
+            if time.monotonic() >= deadline:
+                raise CollectiveFailed(f"all-reduce did not complete within {self._timeout:.1f} s")
         if self._error is not None:
             raise CollectiveFailed(f"all-reduce failed: {self._error}") from self._error
