@@ -13,6 +13,7 @@ MODULES = [
     "phalanx.manager",
     "phalanx.launcher",
     "phalanx.recovery",
+    "phalanx.process_group",
     "phalanx.data",
     "phalanx.forkserver",
     "phalanx.demo.model",

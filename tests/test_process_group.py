@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.process_group import (
+    Abort,
     CollectiveFailed,
     FaultTolerantProcessGroup,
     Membership,
@@ -58,7 +59,7 @@ def two_ranks(timeout: float = 10.0):
 def test_an_allreduce_sums_over_the_members():
     store, groups = two_ranks()
     tensors = [torch.full((4,), float(rank + 1)) for rank in range(2)]
-    pending = [g.allreduce(t, threading.Event()) for g, t in zip(groups, tensors, strict=True)]
+    pending = [g.allreduce(t, Abort()) for g, t in zip(groups, tensors, strict=True)]
     for p in pending:
         p.wait()
     assert all(torch.equal(t, torch.full((4,), 3.0)) for t in tensors)
@@ -67,7 +68,7 @@ def test_an_allreduce_sums_over_the_members():
 
 def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout():
     store, groups = two_ranks(timeout=30.0)
-    abort = threading.Event()
+    abort = Abort()
     # The peer never joins: without the abort this would wait 30 s.
     pending = groups[0].allreduce(torch.ones(4), abort)
     threading.Timer(0.2, abort.set).start()
@@ -85,6 +86,6 @@ def test_an_nccl_process_group_builds_and_reduces_on_one_device():
     group = FaultTolerantProcessGroup(10.0)
     group.configure(Membership(f"127.0.0.1:{port}", "nccl", 0, 1), "nccl")
     tensor = torch.ones(4, device="cuda")
-    group.allreduce(tensor, threading.Event()).wait()
+    group.allreduce(tensor, Abort()).wait()
     assert torch.equal(tensor.cpu(), torch.ones(4))
     del store

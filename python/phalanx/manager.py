@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from phalanx import _core
 from phalanx.process_group import (
+    Abort,
     CollectiveFailed,
     FaultTolerantProcessGroup,
     Membership,
@@ -242,7 +243,7 @@ class Manager:
         self._quorum_future: Future[_core.QuorumResult] | None = None
         self._quorum_resolved = False
         self._failure: str | None = None
-        self._abort = threading.Event()
+        self._abort = Abort()
         # The membership watcher and the training thread agree under this lock on
         # which quorum a loss of membership concerns: the step's own, once it is known
         # (`_step_quorum_id`), or any quorum at most `_broken_quorum_id`.

@@ -10,17 +10,12 @@ Either way the caller gets a failed result and discards the step.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-#: How often a wait for a collective looks at the abort flag: the delay between the
-#: lighthouse's push that a peer died and the step giving up.
-ABORT_CHECK_S = 0.005
 
 
 def backend_for(device: torch.device) -> str:
@@ -130,7 +125,7 @@ class FaultTolerantProcessGroup:
             del group
             threading.Thread(target=holder.clear, name="phalanx-retire-pg", daemon=True).start()
 
-    def allreduce(self, tensor: torch.Tensor, abort: threading.Event) -> Pending:
+    def allreduce(self, tensor: torch.Tensor, abort: Abort) -> Pending:
         if self._group is None or self._membership is None:
             raise CollectiveFailed("no process group: the quorum is not configured")
         if self._membership.world_size == 1:
@@ -144,19 +139,64 @@ class FaultTolerantProcessGroup:
         return Pending(work, abort, self._timeout.total_seconds())
 
 
+class Abort:
+    """A step's abort flag. Setting it wakes every wait registered on it at once, so a
+    wait for a collective needs no polling to notice that a peer died.
+
+    >>> abort, woken = Abort(), threading.Event()
+    >>> abort.wake_on_abort(woken)
+    False
+    >>> abort.set()
+    >>> woken.is_set(), abort.is_set()
+    (True, True)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._waits: list[threading.Event] = []
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            waits, self._waits = self._waits, []
+        for event in waits:
+            event.set()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._set = False
+            self._waits = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wake_on_abort(self, event: threading.Event) -> bool:
+        """Sets `event` when the flag is set; True (and nothing registered) if it is
+        set already."""
+        with self._lock:
+            if not self._set:
+                self._waits.append(event)
+            return self._set
+
+
 class Pending:
     """A started collective. `wait()` returns when it completes, or raises
     `CollectiveFailed` at its deadline or as soon as `abort` is set."""
 
-    def __init__(self, work: dist.Work | None, abort: threading.Event, timeout: float):
+    def __init__(self, work: dist.Work | None, abort: Abort, timeout: float):
         self._work = work
         self._abort = abort
         self._timeout = timeout
         self._done = threading.Event()
+        self._completed = False
         self._error: BaseException | None = None
         if work is None:
+            self._completed = True
             self._done.set()
             return
+        if abort.wake_on_abort(self._done):
+            self._done.set()
         future = work.get_future()
         future.add_done_callback(self._finished)
 
@@ -165,14 +205,13 @@ class Pending:
             future.value()
         except Exception as e:  # the collective's own failure, reported on wait()
             self._error = e
+        self._completed = True
         self._done.set()
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self._timeout
-        while not self._done.wait(ABORT_CHECK_S):
-            if self._abort.is_set():
-                raise CollectiveFailed("aborted: a replica group of the quorum died")
-            if time.monotonic() >= deadline:
-                raise CollectiveFailed(f"all-reduce did not complete within {self._timeout:.1f} s")
+        if not self._done.wait(self._timeout):
+            raise CollectiveFailed(f"all-reduce did not complete within {self._timeout:.1f} s")
+        if not self._completed:
+            raise CollectiveFailed("aborted: a replica group of the quorum died")
         if self._error is not None:
             raise CollectiveFailed(f"all-reduce failed: {self._error}") from self._error
