@@ -10,7 +10,6 @@ that every group sees different samples.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -21,16 +20,12 @@ from torch import nn
 
 import phalanx
 
+from state_digest import digest, tensors_of
+
 
 def global_hash(diloco: phalanx.DiLoCo) -> str:
     """Of every byte of the global parameters and the outer optimizer's tensors."""
-    digest = hashlib.sha256()
-    tensors = list(diloco.global_parameters().values())
-    for state in diloco.outer_optimizer.state_dict()["state"].values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return digest(tensors_of(diloco.global_parameters(), diloco.outer_optimizer))
 
 
 def main() -> None:

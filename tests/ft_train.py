@@ -8,7 +8,6 @@ replica) so that every group sees different samples, as in a real job.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -19,16 +18,12 @@ from torch import nn
 
 import phalanx
 
+from state_digest import digest, tensors_of
+
 
 def state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Of every byte of the model's and the optimizer's tensors."""
-    digest = hashlib.sha256()
-    tensors = list(model.state_dict().values())
-    for state in optimizer.state_dict()["state"].values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return digest(tensors_of(model.state_dict(), optimizer))
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ data index, group rank), so that a test can rebuild the combined batch of every 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -20,9 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import phalanx
+
+from state_digest import digest, tensors_of
 
 IN, HIDDEN, OUT = 8, 16, 3  # OUT=3 over 2 ranks: uneven shards
 BATCH = 4
@@ -46,19 +46,9 @@ def batch(step: int, data_index: int, rank: int) -> tuple[torch.Tensor, torch.Te
     return x, y
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def shard_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Of every byte of this rank's shards of the model and the optimizer state."""
-    digest = hashlib.sha256()
-    tensors = [local(t) for t in model.state_dict().values()]
-    for state in optimizer.state_dict()["state"].values():
-        tensors += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return digest(tensors_of(model.state_dict(), optimizer))
 
 
 def main() -> None:
