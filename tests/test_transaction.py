@@ -138,3 +138,72 @@ def test_a_group_whose_rank_dies_never_commits_the_step(spawn, lighthouse):
     time.sleep(2.0)
     late = [line for line in committed(ranks[0]) if line["t"] > killed_at + 0.5]
     assert late == [], f"committed without rank 1: {late}"
+
+
+def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
+    """Group a trains alone for a second, then b joins (and must heal from a) with
+    `b_options` for its Manager; a goes on until b has run one step. Returns each
+    group's (committed, seconds, failure) per step, or b's exception."""
+    import threading
+
+    import torch
+
+    import phalanx
+
+    b_done = threading.Event()
+    out: dict = {}
+
+    def group(name: str, width: int, options: dict) -> None:
+        manager = phalanx.Manager(replica_id=name, lighthouse=lighthouse.address, **options)
+        model = torch.nn.Linear(4, width)
+        manager.register_state("model", model.state_dict, model.load_state_dict)
+        results = out.setdefault(name, [])
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                manager.start_quorum()
+                started = time.monotonic()
+                manager.allreduce(torch.ones(3)).wait()
+                committed = manager.should_commit()
+                results.append((committed, time.monotonic() - started, manager.failure))
+                if name == "b" or (b_done.is_set() and len(results) > 3):
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # b's, checked by the test
+            out[f"{name}_error"] = e
+        finally:
+            if name == "b":
+                b_done.set()
+            manager.shutdown()
+
+    a_options = {"timeout": 40.0, "collective_timeout": 20.0}
+    a = threading.Thread(target=group, args=("a", 3, a_options))
+    a.start()
+    time.sleep(1.0)  # a commits alone first, so b must heal from it
+    b = threading.Thread(target=group, args=("b", b_width, {**a_options, **b_options}))
+    b.start()
+    a.join(60)
+    b.join(60)
+    return out
+
+
+def test_a_group_whose_heal_fails_joins_the_collective_and_does_not_stall_its_peers(lighthouse):
+    # b's heal runs out of time; b still adds zeros to the all-reduce and votes no,
+    # so a commits at once, not after the collective timeout (20 s).
+    out = run_two_groups(lighthouse, {"heal_timeout": 1e-4})
+
+    ((b_committed, _, b_failure),) = out["b"]
+    assert not b_committed and "heal" in b_failure, out["b"]
+    assert all(committed for committed, _, _ in out["a"][:-1]), out["a"]
+    assert max(seconds for _, seconds, _ in out["a"]) < 10.0, out["a"]
+
+
+def test_a_group_built_unlike_its_peers_is_told_what_to_fix(lighthouse):
+    from phalanx.recovery import IncompatibleStateError
+
+    out = run_two_groups(lighthouse, {}, b_width=5)
+
+    error = out["b_error"]
+    assert isinstance(error, IncompatibleStateError)
+    assert "size mismatch" in str(error)
+    assert "Every replica group must build the same model" in str(error)

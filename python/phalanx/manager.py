@@ -251,6 +251,7 @@ class Manager:
         self._step_quorum_id: int | None = None
         self._broken_quorum_id = -1
         self._handles: list[Handle] = []
+        self._heal_failed = False
         #: The step in flight, or the last one once `should_commit()` returned.
         self.last_step = StepRecord(step=0)
         self._serving = False
@@ -324,6 +325,7 @@ class Manager:
             self._failure = None
             self._abort.clear()
         self._quorum_resolved = False
+        self._heal_failed = False
         step = self._step
         self.last_step = StepRecord(step=step)
         self._quorum_future = self._executor.submit(
@@ -348,9 +350,11 @@ class Manager:
         `average=False` leaves the sum instead, for integer codes that cannot be
         divided in place (phalanx.quantize)."""
         quorum = self._resolve_quorum(tensor.device)
-        if quorum is None or not self.step_ok:
+        if quorum is None or self._abort.is_set() or not (self.step_ok or self._heal_failed):
             return self._remember(Handle(self, None, tensor, 1, then))
         if quorum.heal:
+            # A healer's contribution is zeros; one whose heal failed still joins the
+            # collective (and votes no), so that its peers are not left waiting for it.
             tensor.zero_()
         try:
             pending = self._pg.allreduce(tensor, self._abort)
@@ -399,7 +403,7 @@ class Manager:
         """Waits for this step's quorum (healing first if this group is behind) and
         tells whether the step can still commit. The collectives do this themselves;
         call it to learn `replica_rank()` before the forward pass, e.g. to pick data."""
-        return self._resolve_quorum(device) is not None
+        return self._resolve_quorum(device) is not None and self.step_ok
 
     def replica_rank(self) -> int:
         """This group's rank among the step's groups (call `wait_quorum()` first)."""
@@ -509,7 +513,7 @@ class Manager:
         """On the training thread, once per step: takes the quorum, rebuilds the
         process group if it changed, heals or opens this rank's state to healers."""
         if self._quorum_resolved:
-            return self._quorum if self.step_ok else None
+            return self._quorum if self.step_ok or self._heal_failed else None
         self._quorum_resolved = True
         if self._quorum_future is None:
             raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
@@ -548,7 +552,7 @@ class Manager:
             self._heal(quorum)
         elif self._peers_heal_from_me(quorum):
             self._open_state(quorum)
-        return quorum if self.step_ok else None
+        return quorum if self.step_ok or self._heal_failed else None
 
     def _peers_heal_from_me(self, q: _core.QuorumResult) -> bool:
         if self._init_sync and q.max_step == 0:
@@ -563,11 +567,12 @@ class Manager:
         self._serving = True
 
     def _heal(self, q: _core.QuorumResult) -> None:
-        from phalanx.recovery import heal
+        from phalanx.recovery import IncompatibleStateError, heal
 
         sources = [s.state_address for s in q.recovery_sources]
         if not sources:
             self._fail(f"must heal to step {q.max_step} but no up-to-date peer serves it")
+            self._heal_failed = True
             return
         started = time.monotonic()
         try:
@@ -581,12 +586,22 @@ class Manager:
                 token=self._token,
                 timeout=self.timeouts.heal,
             )
+        except IncompatibleStateError:
+            raise  # this group was built unlike its peers: no retry can help
         except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
             self._fail(f"heal to step {q.max_step} failed: {e}")
+            self._heal_failed = True
             return
         for name, registered in self._registered.items():
             if name in state:
-                registered.load_state_dict(state[name])
+                try:
+                    registered.load_state_dict(state[name])
+                except Exception as e:
+                    raise IncompatibleStateError(
+                        f"the peers' {name!r} at step {q.max_step} does not load into this "
+                        f"group's: {e}. Every replica group must build the same model, "
+                        "optimizer and registered state"
+                    ) from e
         self.last_step.heal_s = time.monotonic() - started
         self.last_step.healed = True
         self.last_step.step = q.max_step
