@@ -145,7 +145,14 @@ class StepLog:
         print(json.dumps(record), flush=True)
 
 
-def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
+def train_replicated(
+    args: argparse.Namespace,
+    manager: phalanx.Manager,
+    model: Llama,
+    corpus: Corpus,
+    stop: threading.Event,
+    began: float,
+) -> None:
     """DDP or HSDP: every step a transaction; the gradients (HSDP: each rank's shard
     of them) are averaged over the quorum."""
     if args.strategy == "hsdp":
@@ -155,7 +162,7 @@ def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
     optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
     manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
-    log = StepLog(manager, log_began)
+    log = StepLog(manager, began)
 
     steps = args.steps if args.steps is not None else float("inf")
     while not stop.is_set() and manager.current_step() < steps:
@@ -176,13 +183,20 @@ def train_replicated(args, manager, model, corpus, stop, log_began) -> None:
         )
 
 
-def train_diloco(args, manager, model, corpus, stop, log_began) -> None:
+def train_diloco(
+    args: argparse.Namespace,
+    manager: phalanx.Manager,
+    model: Llama,
+    corpus: Corpus,
+    stop: threading.Event,
+    began: float,
+) -> None:
     """DiLoCo: each group takes `--sync-every` local AdamW steps on windows of its
     own, then the groups sync (a transaction) and an outer Nesterov step moves the
     global parameters. The step log has one line per sync."""
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     diloco = phalanx.DiLoCo(manager, model, inner, sync_every=args.sync_every)
-    log = StepLog(manager, log_began)
+    log = StepLog(manager, began)
 
     def agreed_state() -> list[torch.Tensor]:
         state = list(diloco.global_parameters().values())
