@@ -169,6 +169,7 @@ def main(argv: list[str]) -> int:
             f"--replicas={args.replicas}",
             f"--nproc-per-replica={args.nproc_per_replica}",
             f"--chaos-seed={args.seed}",
+            "--max-restarts=3",  # failures not injected: a broken setup gives up soon
             *(f"--chaos={c}" for c in chaos),
         ]
     )
@@ -228,4 +229,8 @@ def main(argv: list[str]) -> int:
     )
     if code == 130:
         return 130
-    return 0 if report["steps_committed"] else 1
+    if not report["steps_committed"]:
+        tail = (args.out / "ranks.log").read_text().splitlines()[-20:]
+        print("no step committed; the end of ranks.log says why:", *tail, sep="\n  ")
+        return 1
+    return 0
