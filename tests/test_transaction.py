@@ -67,7 +67,15 @@ def assert_bit_identical(children: list[Child]) -> int:
             reached[line["after"]] += 1
     compared = [step for step, n in reached.items() if n >= 2]
     diverged = {step: hashes[step] for step in compared if len(hashes[step]) > 1}
-    assert not diverged, f"replicas diverged at steps {sorted(diverged)}"
+    if diverged:
+        first = min(diverged)
+        who = [
+            (child.name, line["quorum_id"], line["participants"], line["hash"])
+            for child in children
+            for line in committed(child)
+            if line["after"] == first
+        ]
+        raise AssertionError(f"replicas diverged at steps {sorted(diverged)}; at {first}: {who}")
     return len(compared)
 
 
@@ -207,3 +215,27 @@ def test_a_group_built_unlike_its_peers_is_told_what_to_fix(lighthouse):
     assert isinstance(error, IncompatibleStateError)
     assert "size mismatch" in str(error)
     assert "Every replica group must build the same model" in str(error)
+
+
+def test_a_rank_that_reaches_another_groups_store_is_told_so(lighthouse):
+    # Two groups given one MASTER_PORT: b's rank 1 finds a's store, not its own group.
+    port = free_port()
+    a = phalanx.Manager(
+        replica_id="a",
+        lighthouse=lighthouse.address,
+        group_rank=0,
+        group_world_size=2,
+        store_port=port,
+    )
+    try:
+        with pytest.raises(TimeoutError, match="give each group a MASTER_PORT of its own"):
+            phalanx.Manager(
+                replica_id="b",
+                lighthouse=lighthouse.address,
+                group_rank=1,
+                group_world_size=2,
+                store_port=port,
+                timeout=1.0,
+            )
+    finally:
+        a.shutdown()

@@ -42,7 +42,10 @@ from phalanx.process_group import (
 
 log = logging.getLogger("phalanx.manager")
 
-MANAGER_ADDRESS_KEY = "phalanx/manager_address"
+#: Where group rank 0 publishes its manager server, per replica id: a rank that
+#: reaches another group's store (two groups given one MASTER_PORT) finds no key of
+#: its own group there and says so, instead of joining the other group.
+MANAGER_ADDRESS_KEY = "phalanx/manager_address/{replica_id}"
 
 
 @dataclass(frozen=True)
@@ -281,8 +284,8 @@ class Manager:
                 init_sync=init_sync,
                 token=self._token,
             )
-            self._store.set(MANAGER_ADDRESS_KEY, self._server.address)
-        manager_address = self._store.get(MANAGER_ADDRESS_KEY).decode()
+            self._store.set(self._manager_key, self._server.address)
+        manager_address = self._manager_address(store_addr, port)
         self._client = _core.ManagerClient(manager_address, token=self._token)
         self._client.subscribe_events()
 
@@ -487,6 +490,20 @@ class Manager:
         self.shutdown()
 
     # -- internals ------------------------------------------------------------------
+
+    @property
+    def _manager_key(self) -> str:
+        return MANAGER_ADDRESS_KEY.format(replica_id=self.replica_id)
+
+    def _manager_address(self, store_addr: str, port: int) -> str:
+        try:
+            return self._store.get(self._manager_key).decode()
+        except dist.DistStoreError as e:
+            raise TimeoutError(
+                f"rank {self.group_rank} of replica group {self.replica_id!r} found no manager "
+                f"of its group at {store_addr}:{port} within {self.timeouts.quorum:g} s: start "
+                "the group's rank 0, and give each group a MASTER_PORT of its own"
+            ) from e
 
     def _require_quorum(self) -> _core.QuorumResult:
         if not self._quorum_resolved or self._quorum is None:
