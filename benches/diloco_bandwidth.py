@@ -25,23 +25,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import free_port, report, stop, wait_for_http
+from harness import free_port, mlp_and_batches, report, stop, wait_for_http
 
 WORKER = Path(__file__).resolve()
 MODES = ("ddp", "diloco", "diloco-int8")
-
-
-def model_and_batches(width: int, seed: int):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
-    )
-    g = torch.Generator().manual_seed(seed)
-    batches = [(torch.randn(64, 256, generator=g), torch.randn(64, 1, generator=g))] * 4
-    return model, batches
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -51,7 +38,7 @@ def run_worker(args: argparse.Namespace) -> None:
     import phalanx
 
     torch.set_num_threads(1)
-    model, batches = model_and_batches(args.width, hash(args.replica_id) % 1000)
+    model, batches = mlp_and_batches(args.width, hash(args.replica_id) % 1000)
     manager = phalanx.Manager(replica_id=args.replica_id, lighthouse=args.lighthouse)
     handed = [0]
     allreduce = manager.allreduce
@@ -224,7 +211,7 @@ def drive(args: argparse.Namespace) -> None:
     reduction = per_step["ddp"] / per_step["diloco"]
     reduction_int8 = per_step["ddp"] / per_step["diloco-int8"]
     wall_ratio = None if slow is None else slow["diloco"]["seconds"] / slow["ddp"]["seconds"]
-    params = sum(p.numel() for p in model_and_batches(args.width, 0)[0].parameters())
+    params = sum(p.numel() for p in mlp_and_batches(args.width, 0)[0].parameters())
     H = args.sync_every
     rows = [
         ("model", f"MLP of {params / 1e6:.2f}M parameters, {args.steps} inner steps, 2 groups"),

@@ -94,3 +94,36 @@ def report(title: str, rows: Sequence[tuple[str, object]], result: dict) -> None
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{name:<{width}}  {shown}")
     print(json.dumps(result), flush=True)
+
+
+def mlp_and_batches(width: int, seed: int):
+    """The benches' model (256 -> width -> width -> 1, the same initial weights for every
+    seed) and 4 batches of 64 drawn from `seed`."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+    )
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(64, 256, generator=g), torch.randn(64, 1, generator=g))] * 4
+    return model, batches
+
+
+def slowest_median(procs: Sequence[subprocess.Popen], what: str) -> float:
+    """Waits for worker processes that print `{"median_ms": …}` last and returns the
+    slowest one's (the job's step time); kills any left on the way out."""
+    medians = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"{what} worker failed with exit code {p.returncode}")
+            medians.append(json.loads(out.strip().splitlines()[-1])["median_ms"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return max(medians)

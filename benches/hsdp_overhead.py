@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import free_port, lighthouse_process, report
+from harness import free_port, lighthouse_process, report, slowest_median
 
 WORKER = Path(__file__).resolve()
 GROUPS, RANKS = 2, 2
@@ -124,19 +124,7 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
                     env={**os.environ, "OMP_NUM_THREADS": "1"},
                 )
             )
-    medians = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=600)
-            if p.returncode != 0:
-                raise RuntimeError(f"{mode} worker failed with exit code {p.returncode}")
-            medians.append(json.loads(out.strip().splitlines()[-1])["median_ms"])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return max(medians)
+    return slowest_median(procs, mode)
 
 
 def main() -> None:

@@ -16,22 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness import free_port, lighthouse_process, report
+from harness import free_port, lighthouse_process, mlp_and_batches, report, slowest_median
 
 WORKER = Path(__file__).resolve()
-
-
-def model_and_data(seed: int, width: int):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
-    )
-    g = torch.Generator().manual_seed(seed)
-    batches = [(torch.randn(64, 256, generator=g), torch.randn(64, 1, generator=g))] * 4
-    return model, batches
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -40,7 +27,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     torch.set_num_threads(1)
-    model, batches = model_and_data(args.rank, args.width)
+    model, batches = mlp_and_batches(args.width, args.rank)
     if args.mode == "torch":
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2
@@ -106,13 +93,7 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
         )
         for rank in range(2)
     ]
-    medians = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        if p.returncode != 0:
-            raise RuntimeError(f"{mode} worker failed with exit code {p.returncode}")
-        medians.append(json.loads(out.strip().splitlines()[-1])["median_ms"])
-    return max(medians)
+    return slowest_median(procs, mode)
 
 
 def main() -> None:
@@ -133,7 +114,7 @@ def main() -> None:
     baseline = measure("torch", args)
     with lighthouse_process("--min-replicas", "2") as (address, _):
         ours = measure("phalanx", args, address)
-    params = sum(p.numel() for p in model_and_data(0, args.width)[0].parameters())
+    params = sum(p.numel() for p in mlp_and_batches(args.width, 0)[0].parameters())
     result = {
         "bench": "step_overhead",
         "phalanx_ms": round(ours, 3),

@@ -18,12 +18,7 @@ from torch import nn
 
 import phalanx
 
-from state_digest import digest, tensors_of
-
-
-def state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """Of every byte of the model's and the optimizer's tensors."""
-    return digest(tensors_of(model.state_dict(), optimizer))
+from state_digest import state_hash
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 import phalanx
 
-from state_digest import digest, tensors_of
+from state_digest import state_hash
 
 IN, HIDDEN, OUT = 8, 16, 3  # OUT=3 over 2 ranks: uneven shards
 BATCH = 4
@@ -44,11 +44,6 @@ def batch(step: int, data_index: int, rank: int) -> tuple[torch.Tensor, torch.Te
     x = torch.randn(BATCH, IN, generator=g)
     y = torch.stack([x[:, :3].sum(1), x[:, 3:].prod(1), x.abs().mean(1)], dim=1)
     return x, y
-
-
-def shard_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """Of every byte of this rank's shards of the model and the optimizer state."""
-    return digest(tensors_of(model.state_dict(), optimizer))
 
 
 def main() -> None:
@@ -88,7 +83,7 @@ def main() -> None:
                     "rank": rank,
                     "quorum_id": manager.quorum_id,
                     "participants": manager.num_participants(),
-                    "hash": shard_hash(model, optimizer.optimizer),
+                    "hash": state_hash(model, optimizer.optimizer),
                     "t": time.time(),
                 }
             ),

@@ -24,3 +24,9 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     for t in tensors:
         sha.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()[:16]
+
+
+def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Of every byte of the model's and the optimizer's tensors (this rank's shards,
+    under HSDP)."""
+    return digest(tensors_of(model.state_dict(), optimizer))

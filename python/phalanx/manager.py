@@ -353,7 +353,7 @@ class Manager:
         `average=False` leaves the sum instead, for integer codes that cannot be
         divided in place (phalanx.quantize)."""
         quorum = self._resolve_quorum(tensor.device)
-        if quorum is None or self._abort.is_set() or not (self.step_ok or self._heal_failed):
+        if quorum is None or self._abort.is_set():
             return self._remember(Handle(self, None, tensor, 1, then))
         if quorum.heal:
             # A healer's contribution is zeros; one whose heal failed still joins the
@@ -505,6 +505,12 @@ class Manager:
                 "the group's rank 0, and give each group a MASTER_PORT of its own"
             ) from e
 
+    @property
+    def _joins_collectives(self) -> bool:
+        """Whether this rank takes part in the step's collectives: while the step can
+        commit, and (with zeros) after a failed heal, so its peers are not kept waiting."""
+        return self.step_ok or self._heal_failed
+
     def _require_quorum(self) -> _core.QuorumResult:
         if not self._quorum_resolved or self._quorum is None:
             raise RuntimeError(
@@ -530,7 +536,7 @@ class Manager:
         """On the training thread, once per step: takes the quorum, rebuilds the
         process group if it changed, heals or opens this rank's state to healers."""
         if self._quorum_resolved:
-            return self._quorum if self.step_ok or self._heal_failed else None
+            return self._quorum if self._joins_collectives else None
         self._quorum_resolved = True
         if self._quorum_future is None:
             raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
@@ -569,7 +575,7 @@ class Manager:
             self._heal(quorum)
         elif self._peers_heal_from_me(quorum):
             self._open_state(quorum)
-        return quorum if self.step_ok or self._heal_failed else None
+        return quorum if self._joins_collectives else None
 
     def _peers_heal_from_me(self, q: _core.QuorumResult) -> bool:
         if self._init_sync and q.max_step == 0:

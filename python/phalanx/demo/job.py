@@ -16,7 +16,7 @@ from typing import Any
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
-from phalanx.demo.report import analyze, plot, summary_table
+from phalanx.demo.report import FAILURE_KINDS, analyze, plot, summary_table
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
@@ -38,6 +38,8 @@ class DemoJob(launcher.Launcher):
         self._ever_started: set[str] = set()
         self._recovering: dict[str, float] = {}
         self._latest: dict[str, dict[str, Any]] = {}
+        self._committed = 0
+        self._failures = 0
 
     def say(self, text: str) -> None:
         self._rank_log.write(f"[phalanx run] {text}\n")
@@ -66,6 +68,7 @@ class DemoJob(launcher.Launcher):
             }
         )
         elapsed = f"{now - self.started:6.1f}s"
+        self._failures += kind in FAILURE_KINDS
         if kind == "start":
             self._ever_started.add(group.replica_id)
             if restart:
@@ -85,6 +88,7 @@ class DemoJob(launcher.Launcher):
 
     def _step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)
+        self._committed += record["committed"]
         self._step_log.write(json.dumps(record) + "\n")
         replica = record["replica"]
         if record["committed"]:
@@ -101,8 +105,7 @@ class DemoJob(launcher.Launcher):
         live = list(self._latest.values())
         if not live:
             return
-        committed = sum(r["committed"] for r in self.steps)
-        failures = sum(1 for e in self.events if e["kind"] in ("kill", "hang"))
+        committed, failures = self._committed, self._failures
         loss = sum(r["loss"] for r in live) / len(live)
         self.progress.status(
             f"{time.time() - self.started:6.1f}s  step {max(r['step'] for r in live) + 1:5d}"

@@ -42,6 +42,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+#: Launcher events that are failures injected on purpose.
+FAILURE_KINDS = ("kill", "hang")
+
 #: Steps averaged for the initial and the final loss.
 LOSS_WINDOW = 10
 
@@ -138,7 +141,7 @@ def analyze(
         "job_steps": reached,
         "job_progress": _round(job_progress),
         "healthy_step_s": _round(healthy_step),
-        "failures_injected": sum(1 for e in events if e["kind"] in ("kill", "hang")),
+        "failures_injected": sum(1 for e in events if e["kind"] in FAILURE_KINDS),
         "recoveries": len(recovery_seconds),
         "recovery_seconds": [_round(s, 3) for s in recovery_seconds],
         "recovery_seconds_median": _round(
@@ -202,7 +205,7 @@ def plot(steps: list[dict], events: list[dict], started: float, path: str) -> No
         loss_ax.plot(t, [r["loss"] for r in records], ".", markersize=2, label=replica)
         part_ax.step(t, [r["participants"] for r in records], where="post", label=replica)
     for event in events:
-        if event["kind"] in ("kill", "hang"):
+        if event["kind"] in FAILURE_KINDS:
             for ax in (loss_ax, part_ax):
                 ax.axvline(event["t"] - started, color="red", alpha=0.4, linewidth=1)
     loss_ax.set_ylabel("loss (nats/byte)")

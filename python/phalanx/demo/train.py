@@ -67,12 +67,15 @@ def fingerprint(tensors: list[torch.Tensor]) -> str:
     return f"{crc:08x}"
 
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """This rank's model and optimizer tensors (its own shards, under HSDP)."""
-    tensors = list(model.state_dict().values())
-    for state in optimizer.state_dict()["state"].values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+def training_state(
+    tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+) -> list[torch.Tensor]:
+    """`tensors` (a state dict) and the optimizer's state tensors, as this rank holds
+    them (its own shards, under HSDP)."""
+    state = list(tensors.values())
+    for buffers in optimizer.state_dict()["state"].values():
+        state += [v for v in buffers.values() if isinstance(v, torch.Tensor)]
+    return [t.to_local() if hasattr(t, "to_local") else t for t in state]
 
 
 def stop_on_sigterm() -> threading.Event:
@@ -178,7 +181,7 @@ def train_replicated(
             started,
             loss.item(),
             committed,
-            lambda: training_state(model, optimizer.optimizer),
+            lambda: training_state(model.state_dict(), optimizer.optimizer),
             samples=sampler.cursor,
         )
 
@@ -199,10 +202,7 @@ def train_diloco(
     log = StepLog(manager, began)
 
     def agreed_state() -> list[torch.Tensor]:
-        state = list(diloco.global_parameters().values())
-        for buffers in diloco.outer_optimizer.state_dict()["state"].values():
-            state += [v for v in buffers.values() if isinstance(v, torch.Tensor)]
-        return state
+        return training_state(diloco.global_parameters(), diloco.outer_optimizer)
 
     steps = args.steps if args.steps is not None else float("inf")
     started = time.time()
