@@ -29,7 +29,8 @@ HERE = Path(__file__).parent
 
 
 class Group:
-    """A replica group process whose JSON event lines are read into a queue."""
+    """A replica group process whose JSON event lines are read into a queue; a line
+    that is not JSON is counted in `skipped_lines` and left out."""
 
     def __init__(self, replica_id: str, lighthouse: str) -> None:
         self.replica_id = replica_id
@@ -46,21 +47,37 @@ class Group:
             text=True,
         )
         self.events: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.skipped_lines = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.events.put(json.loads(line))
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                self.skipped_lines += 1
+                print(
+                    f"{self.replica_id}: skipped a line that is not JSON: {line!r}", file=sys.stderr
+                )
 
     def wait_for(self, accept, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.replica_id}: nothing matching within {timeout} s")
-            event = self.events.get(timeout=left)
+            try:
+                event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"{self.replica_id}: nothing matching within {timeout} s"
+                ) from None
             if accept(event):
                 return event
+
+    def stop(self) -> None:
+        """Ends the process and waits for the reader to reach the end of its output,
+        so that `skipped_lines` is final."""
+        stop(self.proc)
+        self._reader.join(timeout=10.0)
 
 
 def wait_until_all_in_quorum(groups: list[Group], timeout: float = 30.0) -> None:
@@ -82,7 +99,9 @@ def told(group: Group, victim: str, since: float, timeout: float) -> float:
     return group.wait_for(learned, timeout)["t"] - since
 
 
-def trial(lighthouse: str, how: signal.Signals, n: int, timeout: float) -> float:
+def trial(lighthouse: str, how: signal.Signals, n: int, timeout: float) -> tuple[float, int]:
+    """Seconds until the last survivor learned of the victim, and the lines of the
+    groups' output that were skipped."""
     groups = [Group(f"{how.name.lower()}-{n}-{i}", lighthouse) for i in range(3)]
     try:
         wait_until_all_in_quorum(groups)
@@ -90,10 +109,11 @@ def trial(lighthouse: str, how: signal.Signals, n: int, timeout: float) -> float
         victim, survivors = groups[0], groups[1:]
         t0 = time.time()
         os.kill(victim.proc.pid, how)
-        return max(told(s, victim.replica_id, t0, timeout) for s in survivors)
+        detected = max(told(s, victim.replica_id, t0, timeout) for s in survivors)
     finally:
         for g in groups:
-            stop(g.proc)
+            g.stop()
+    return detected, sum(g.skipped_lines for g in groups)
 
 
 def main() -> None:
@@ -113,20 +133,28 @@ def main() -> None:
         bound = args.heartbeat_timeout + 10
         crash = [trial(address, signal.SIGKILL, n, bound) for n in range(args.trials)]
         hang = [trial(address, signal.SIGSTOP, n, bound) for n in range(args.trials)]
+    crash_s = [round(seconds, 4) for seconds, _ in crash]
+    hang_s = [round(seconds, 4) for seconds, _ in hang]
     result = {
         "bench": "failure_detection",
-        "crash_detect_s": round(statistics.median(crash), 4),
-        "hang_detect_s": round(statistics.median(hang), 4),
+        "crash_detect_s": round(statistics.median(crash_s), 4),
+        "hang_detect_s": round(statistics.median(hang_s), 4),
+        "crash_trials_s": crash_s,
+        "hang_trials_s": hang_s,
+        "skipped_lines": sum(skipped for _, skipped in crash + hang),
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "join_timeout_s": args.join_timeout,
     }
     report(
         f"failure detection, 3 groups stepping every 100 ms, {args.trials} trials each",
         [
+            ("crash: trials (s)", ", ".join(f"{s:.3f}" for s in crash_s)),
             ("crash: median (s)", result["crash_detect_s"]),
-            ("crash: max (s)", round(max(crash), 4)),
+            ("crash: max (s)", max(crash_s)),
+            ("hang: trials (s)", ", ".join(f"{s:.3f}" for s in hang_s)),
             ("hang: median (s)", result["hang_detect_s"]),
-            ("hang: max (s)", round(max(hang), 4)),
+            ("hang: max (s)", max(hang_s)),
+            ("output lines skipped (not JSON)", result["skipped_lines"]),
             ("heartbeat timeout (s)", args.heartbeat_timeout),
             ("join timeout (s)", args.join_timeout),
         ],

@@ -14,9 +14,15 @@ import time
 
 from phalanx import ManagerClient, ManagerServer
 
+#: The stepping loop and the membership watcher both print; one line at a time, or
+#: their lines interleave and the reader gets neither.
+_stdout = threading.Lock()
+
 
 def emit(kind: str, **fields: object) -> None:
-    print(json.dumps({"t": time.time(), "kind": kind, **fields}), flush=True)
+    line = json.dumps({"t": time.time(), "kind": kind, **fields})
+    with _stdout:
+        print(line, flush=True)
 
 
 def watch_membership(client: ManagerClient) -> None:

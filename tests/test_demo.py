@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from phalanx.demo.job import EXIT_DIVERGED, exit_status
 from phalanx.demo.report import analyze
 
 from conftest import TESTS, child_env
@@ -59,7 +60,7 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert report["failures_injected"] >= 1
     assert report["recoveries"] >= 1, (out / "ranks.log").read_text()[-3000:]
     assert report["final_loss"] < report["initial_loss"]
-    assert report["replicas_consistent"] is True
+    assert report["replicas_consistent"] is True and report["split_steps"] == []
     assert report["consistency_checked_steps"] > 0
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
@@ -68,12 +69,13 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert "replicas bit-identical" in done.stdout
 
 
-def record(replica, pid, step, t, committed=True, fingerprint=None, participants=2):
+def record(replica, pid, step, t, committed=True, fingerprint=None, participants=2, quorum_id=1):
     return {
         "replica": replica,
         "rank": 0,
         "pid": pid,
         "step": step,
+        "quorum_id": quorum_id,
         "committed": committed,
         "t_start": t,
         "t_end": t + 0.1,
@@ -83,11 +85,44 @@ def record(replica, pid, step, t, committed=True, fingerprint=None, participants
     }
 
 
-def test_the_report_finds_replicas_that_disagree():
-    steps = [record("a", 1, 0, 0.0, fingerprint="x"), record("b", 2, 0, 0.0, fingerprint="y")]
-    report = analyze(steps, [], replicas=2, started=0.0, ended=1.0)
+def test_a_step_committed_with_two_fingerprints_fails_the_run(tmp_path, capsys):
+    # Three groups in quorum 7 agree at steps 0 and 2; at step 1, b committed another state.
+    state = {0: "0000000a", 1: "0000000b", 2: "0000000c"}
+    steps = [
+        record(g, pid, step, float(step), fingerprint=state[step], quorum_id=7)
+        for step in range(3)
+        for pid, g in enumerate("abc")
+    ]
+    odd = next(r for r in steps if r["step"] == 1 and r["replica"] == "b")
+    odd["fingerprint"] = "ffffffff"
+
+    report = analyze(steps, [], replicas=3, started=0.0, ended=3.0)
     assert report["replicas_consistent"] is False
-    assert report["inconsistent_steps"] == [0]
+    assert report["consistency_checked_steps"] == 3
+    assert report["split_steps"] == [1]
+    (split,) = report["splits"]
+    assert (split["step"], split["rank"]) == (1, 0)
+    assert {c["replica"]: c["fingerprint"] for c in split["commits"]} == {
+        "a": "0000000b",
+        "b": "ffffffff",
+        "c": "0000000b",
+    }
+
+    assert exit_status(report, 0, tmp_path) == EXIT_DIVERGED == 3
+    printed = capsys.readouterr().out
+    assert "1 step(s) committed with two or more fingerprints, from step 1" in printed
+    assert (
+        "step 1, rank 0: 0000000b from a (quorum 7), c (quorum 7); ffffffff from b (quorum 7)"
+        in printed
+    )
+
+
+def test_replicas_that_agree_pass_the_run(tmp_path, capsys):
+    steps = [record(g, pid, 0, 0.0, fingerprint="x") for pid, g in enumerate("ab")]
+    report = analyze(steps, [], replicas=2, started=0.0, ended=1.0)
+    assert report["replicas_consistent"] is True and report["split_steps"] == []
+    assert exit_status(report, 0, tmp_path) == 0
+    assert capsys.readouterr().out == ""
 
 
 def test_recovery_is_timed_from_the_restart_to_the_first_commit():

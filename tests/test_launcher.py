@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+
+from phalanx.launcher import rank_mode, resolve
 
 from conftest import TESTS, child_env
 
 RANK = str(TESTS / "launched_rank.py")
 
 
-def launch(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: float = 60.0, env: dict | None = None):
     return subprocess.run(
         [sys.executable, "-m", "phalanx", "run", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env=env or child_env(),
         cwd=TESTS.parent,
     )
+
+
+def path_with(folder, **programs: str) -> str:
+    """A PATH whose first folder holds `programs` (name -> the file it links to)."""
+    folder.mkdir()
+    for name, target in programs.items():
+        (folder / name).symlink_to(target)
+    return f"{folder}{os.pathsep}{os.environ['PATH']}"
 
 
 def reports(stdout: str) -> list[tuple[str, dict]]:
@@ -160,7 +171,43 @@ def test_without_the_fork_server_ranks_are_new_processes():
     done = launch("--no-fork-server", "--", RANK, "0", "0")
 
     assert done.returncode == 0, done.stdout
+    assert "ranks: plain processes (--no-fork-server)" in done.stdout
     assert "(1 rank(s), new processes, pids" in done.stdout
+    assert len(reports(done.stdout)) == 1
+
+
+def test_python_on_the_path_is_recognised_as_the_launchers_interpreter(tmp_path, monkeypatch):
+    # As in a venv: `python` and `python3` are links to the interpreter, which PATH finds.
+    monkeypatch.setenv(
+        "PATH", path_with(tmp_path / "bin", python=sys.executable, python3=sys.executable)
+    )
+
+    for command in (["python", "-m", "train", "--lr", "0.1"], ["python3", "train.py"]):
+        resolved = resolve(command)
+        assert resolved == [str(tmp_path / "bin" / command[0]), *command[1:]]
+        forked, why = rank_mode(resolved, fork_server=True)
+        assert forked, why
+        assert why.startswith("fork server")
+
+
+def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", path_with(tmp_path / "bin", python=shutil.which("sh")))
+
+    forked, why = rank_mode(resolve(["python", "-m", "train"]), fork_server=True)
+    assert not forked
+    assert why.startswith("plain processes") and sys.executable in why
+
+
+def test_python_dash_m_on_the_path_is_forked(tmp_path):
+    env = child_env()
+    env["PATH"] = path_with(tmp_path / "bin", python=sys.executable)
+    env["PYTHONPATH"] = str(TESTS)  # where `-m launched_rank` is found
+
+    done = launch("--", "python", "-m", "launched_rank", "0", "0", env=env)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ranks: fork server (" in done.stdout, done.stdout
+    assert "(1 rank(s), forked, pids" in done.stdout, done.stdout
     assert len(reports(done.stdout)) == 1
 
 

@@ -10,7 +10,9 @@ that job, which is how a multi-host job is started (one `phalanx run --replicas 
 --replica-id …` per host). A group is all or nothing: when one of its ranks dies, the
 rest are stopped and the group restarts (with backoff, up to --max-restarts times).
 Python ranks are forked by a fork server that imported torch once (phalanx.forkserver),
-so a restarted rank starts at once.
+so a restarted rank starts at once: `python -m module` or `python train.py`, where
+PATH finds that `python` to be the launcher's own interpreter. The log's "ranks:" line
+says which way ranks start, and why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import random
 import re
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +46,38 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration; write e.g. 15s, 500ms or 2m")
     value, unit = float(match.group(1)), match.group(2) or "s"
     return value * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
+
+
+def resolve(command: list[str]) -> list[str]:
+    """`command` with its program where PATH finds it, as the shell would, so that
+    `python -m train` can be recognised as this interpreter's (see `rank_mode`).
+
+    >>> resolve(["sh", "-c", "true"])[0] == shutil.which("sh")
+    True
+    >>> resolve(["no-such-program", "x"])
+    ['no-such-program', 'x']
+    """
+    found = shutil.which(command[0])
+    return [found, *command[1:]] if found else command
+
+
+def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
+    """Whether ranks of `command` (resolved) are forked by the fork server, and why,
+    for the log: only a module or a script of the launcher's own interpreter can be.
+
+    >>> rank_mode([sys.executable, "-m", "train"], fork_server=True)[0]
+    True
+    >>> rank_mode([sys.executable, "-m", "train"], fork_server=False)
+    (False, 'plain processes (--no-fork-server)')
+    """
+    if not fork_server:
+        return False, "plain processes (--no-fork-server)"
+    if runnable(command):
+        return True, f"fork server ({command[0]} is this launcher's interpreter)"
+    return False, (
+        f"plain processes ({' '.join(command[:2])} is not `python -m MODULE` or "
+        f"`python SCRIPT.py` run by this launcher's interpreter, {sys.executable})"
+    )
 
 
 @dataclass
@@ -344,7 +379,10 @@ class Launcher:
             )
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        if self.args.fork_server and runnable(self.command):
+        self.command = resolve(self.command)
+        forked, why = rank_mode(self.command, self.args.fork_server)
+        self.say(f"ranks: {why}")
+        if forked:
             self.fork_server = ForkServer()
             self._listen(self.fork_server.process.stdout, _Output(None, 0))
         for group in self.groups:

@@ -3,6 +3,11 @@ Llama-style model through a SIGKILL of a random group every 15 seconds; at the e
 summary, `report.json`, `report.png` and the step log are in `--out`.
 
     phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out phalanx-demo]
+
+Exit status: 0 when the job trained and its replicas agree; 1 when no step committed;
+3 when a step was committed with two or more fingerprints (the replicas diverged:
+the run printed the first such steps, and report.json lists them in `split_steps`);
+130 when interrupted.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import Any
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
-from phalanx.demo.report import FAILURE_KINDS, analyze, plot, summary_table
+from phalanx.demo.report import FAILURE_KINDS, analyze, plot, split_verdict, summary_table
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
+
+#: The exit status of a run whose replicas committed one step with different states.
+EXIT_DIVERGED = 3
 
 
 class DemoJob(launcher.Launcher):
@@ -125,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="phalanx demo",
         description="Train a small Llama-style model with replica groups that keep "
         "failing, on this machine, and report what the job achieved.",
+        epilog="exit status: 0 trained, replicas agree; 1 no step committed; "
+        f"{EXIT_DIVERGED} replicas diverged (a step committed with two or more "
+        "fingerprints; report.json lists them in split_steps); 130 interrupted",
     )
     duration = launcher.parse_duration
     parser.add_argument(
@@ -230,10 +241,20 @@ def main(argv: list[str]) -> int:
         f"report: {args.out / 'report.json'}, {args.out / 'report.png'}; step log: "
         f"{args.out / 'steps.jsonl'}; rank output: {args.out / 'ranks.log'}"
     )
-    if code == 130:
+    return exit_status(report, code, args.out)
+
+
+def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:
+    """The demo's exit status, from its report and its launcher's; prints why when it
+    is not 0. Diverged replicas come first: they make every other number moot."""
+    diverged = split_verdict(report)
+    if diverged:
+        print(diverged)
+        return EXIT_DIVERGED
+    if launcher_code == 130:
         return 130
     if not report["steps_committed"]:
-        tail = (args.out / "ranks.log").read_text().splitlines()[-20:]
+        tail = (out / "ranks.log").read_text().splitlines()[-20:]
         print("no step committed; the end of ranks.log says why:", *tail, sep="\n  ")
         return 1
     return 0

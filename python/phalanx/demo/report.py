@@ -11,7 +11,9 @@ its first step to its last; a group killed and restarted has several lives.
 - `recovery_seconds`: for each restart, from the process's start to its first
   committed step.
 - `replicas_consistent`: at every step that two or more lives committed, their
-  fingerprints of model + optimizer state agree (same rank of each group).
+  fingerprints of model + optimizer state agree (same rank of each group). The steps
+  where they do not are `split_steps`; `splits` says, for the first few, which group
+  committed which fingerprint in which quorum.
 - `job_progress`: the committed steps the job reached ÷ the steps it would have made
   at its healthy pace (the median step time while every group was live) in the time
   from its first step to its end.
@@ -48,6 +50,10 @@ FAILURE_KINDS = ("kill", "hang")
 #: Steps averaged for the initial and the final loss.
 LOSS_WINDOW = 10
 
+#: Split steps the report describes commit by commit: a divergence usually lasts from
+#: the step where it began to the end, so the first few say where and how it began.
+SPLITS_SHOWN = 5
+
 
 def _lives(steps: Iterable[dict]) -> dict[tuple[str, int, int], list[dict]]:
     lives: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
@@ -62,18 +68,24 @@ def _round(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def _consistency(steps: list[dict]) -> tuple[bool, int, list[int]]:
-    """Whether the fingerprints agree at every (step, rank) committed by 2+ lives;
-    also how many such steps there were and the first few that disagree."""
-    seen: dict[tuple[int, int], set[str]] = defaultdict(set)
-    count: dict[tuple[int, int], int] = defaultdict(int)
+def _splits(steps: list[dict]) -> tuple[int, list[dict]]:
+    """How many (step, rank)s two or more lives committed, and those among them
+    whose lives committed different fingerprints, each with who committed what."""
+    commits: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for r in steps:
         if r["committed"] and r.get("fingerprint"):
-            seen[(r["step"], r["rank"])].add(r["fingerprint"])
-            count[(r["step"], r["rank"])] += 1
-    compared = [key for key, n in count.items() if n >= 2]
-    bad = sorted({step for (step, rank) in compared if len(seen[(step, rank)]) > 1})
-    return not bad, len(compared), bad[:10]
+            commits[(r["step"], r["rank"])].append(r)
+    compared = sorted(key for key, records in commits.items() if len(records) >= 2)
+    splits = []
+    for step, rank in compared:
+        records = commits[(step, rank)]
+        if len({r["fingerprint"] for r in records}) > 1:
+            who = [
+                {k: r.get(k) for k in ("replica", "pid", "quorum_id", "fingerprint")}
+                for r in records
+            ]
+            splits.append({"step": step, "rank": rank, "commits": who})
+    return len(compared), splits
 
 
 def _mean_loss(records: list[dict]) -> float | None:
@@ -129,7 +141,7 @@ def analyze(
     ordered = [by_step[s] for s in sorted(by_step)]
     initial = [r for group in ordered[:LOSS_WINDOW] for r in group]
     final = [r for group in ordered[-LOSS_WINDOW:] for r in group]
-    consistent, compared, mismatches = _consistency(steps)
+    compared, splits = _splits(steps)
 
     return {
         "replicas": replicas,
@@ -149,9 +161,10 @@ def analyze(
         ),
         "initial_loss": _round(_mean_loss(initial)),
         "final_loss": _round(_mean_loss(final)),
-        "replicas_consistent": consistent,
+        "replicas_consistent": not splits,
         "consistency_checked_steps": compared,
-        "inconsistent_steps": mismatches,
+        "split_steps": sorted({split["step"] for split in splits}),
+        "splits": splits[:SPLITS_SHOWN],
         "max_survivor_stall_s": _round(stall, 3),
         "samples_committed": max((r.get("samples", 0) for r in committed), default=0),
     }
@@ -185,6 +198,35 @@ def summary_table(report: dict[str, Any]) -> str:
         rows.append((label, value))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def split_verdict(report: dict[str, Any]) -> str | None:
+    """Which steps were committed with two or more fingerprints, and by whom; None
+    when every step that was compared agrees.
+
+    >>> print(split_verdict({"replicas_consistent": False, "split_steps": [7], "splits": [
+    ...     {"step": 7, "rank": 0, "commits": [
+    ...         {"replica": "a", "pid": 1, "quorum_id": 3, "fingerprint": "0badf00d"},
+    ...         {"replica": "b", "pid": 2, "quorum_id": 3, "fingerprint": "8badf00d"}]}]}))
+    replicas diverged: 1 step(s) committed with two or more fingerprints, from step 7:
+      step 7, rank 0: 0badf00d from a (quorum 3); 8badf00d from b (quorum 3)
+    """
+    if report["replicas_consistent"]:
+        return None
+    split_steps = report["split_steps"]
+    lines = [
+        f"replicas diverged: {len(split_steps)} step(s) committed with two or more "
+        f"fingerprints, from step {split_steps[0]}:"
+    ]
+    for split in report["splits"]:
+        by_fingerprint: dict[str, list[str]] = defaultdict(list)
+        for c in split["commits"]:
+            by_fingerprint[c["fingerprint"]].append(f"{c['replica']} (quorum {c['quorum_id']})")
+        who = "; ".join(f"{fp} from {', '.join(groups)}" for fp, groups in by_fingerprint.items())
+        lines.append(f"  step {split['step']}, rank {split['rank']}: {who}")
+    if len({split["step"] for split in report["splits"]}) < len(split_steps):
+        lines.append("  (every split step is in report.json's split_steps)")
+    return "\n".join(lines)
 
 
 def plot(steps: list[dict], events: list[dict], started: float, path: str) -> None:
