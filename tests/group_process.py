@@ -64,18 +64,22 @@ def run(args: argparse.Namespace) -> None:
     emit(event="ready", pid=os.getpid(), manager_address=server.address)
 
     step = 0
+    state_quorum_id = 0  # the quorum that committed `step`: with it, the state's identity
     while True:
         time.sleep(args.step_interval)
         try:
-            result = client.quorum(0, step, timeout=args.quorum_timeout)
+            result = client.quorum(
+                0, step, timeout=args.quorum_timeout, state_quorum_id=state_quorum_id
+            )
         except (ConnectionError, TimeoutError) as e:
             emit(event="error", call="quorum", step=step, kind=type(e).__name__, message=str(e))
             continue
         quorum_at = time.time()
         if result.heal:
-            step = result.max_step  # stands for loading the peers' state of max_step
+            # Stands for loading the peers' state of max_step.
+            step, state_quorum_id = result.max_step, result.max_state_quorum_id
         try:
-            committed = client.should_commit(0, step, True, timeout=args.quorum_timeout)
+            committed = client.should_commit(0, step, True, timeout=args.quorum_timeout).commit
         except (ConnectionError, TimeoutError) as e:
             emit(event="error", call="should_commit", kind=type(e).__name__, message=str(e))
             continue
@@ -92,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
             t=time.time(),
         )
         if committed:
-            step += 1
+            step, state_quorum_id = step + 1, result.quorum_id
 
 
 def main(argv: list[str]) -> None:

@@ -55,8 +55,8 @@ def test_the_ranks_of_a_group_get_one_quorum_and_commit_together(group):
     assert not r0.heal and r0.recovery_sources == []
 
     votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
     )
     assert votes == [True, True]
 
@@ -67,8 +67,8 @@ def test_one_rank_voting_no_fails_the_step_for_every_rank(group):
     both_ask(group, step=0)
 
     votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
-        lambda: rank1.should_commit(1, 0, False, timeout=5.0),
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
+        lambda: rank1.should_commit(1, 0, False, timeout=5.0).commit,
     )
 
     assert votes == [False, False]
@@ -80,12 +80,12 @@ def test_a_rank_that_never_votes_means_no_after_the_timeout(group):
     both_ask(group, step=0)
     started = time.monotonic()
 
-    assert rank0.should_commit(0, 0, True, timeout=0.3) is False
+    assert rank0.should_commit(0, 0, True, timeout=0.3).commit is False
 
     waited = time.monotonic() - started
     assert 0.25 < waited < 2.0, waited
     # A vote that comes too late gets the decision already taken, not a second one.
-    assert rank1.should_commit(1, 0, True, timeout=5.0) is False
+    assert rank1.should_commit(1, 0, True, timeout=5.0).commit is False
 
 
 def test_a_failed_step_can_be_retried_under_the_next_quorum(group):
@@ -94,14 +94,14 @@ def test_a_failed_step_can_be_retried_under_the_next_quorum(group):
     rank0, rank1 = group
     first = both_ask(group, step=0)
     together(
-        lambda: rank0.should_commit(0, 0, False, timeout=5.0),
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+        lambda: rank0.should_commit(0, 0, False, timeout=5.0).commit,
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
     )
 
     again = both_ask(group, step=0)
     votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0),
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0),
+        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
+        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
     )
 
     assert len({r.quorum_id for r in again}) == 1

@@ -76,7 +76,7 @@ def test_a_manager_server_with_a_token_refuses_ranks_without_it(locked):
 
         rank = phalanx.ManagerClient(server.address, token=TOKEN)
         assert rank.quorum(0, 0, timeout=5.0).participants[0].replica_id == "g"
-        assert rank.should_commit(0, 0, True, timeout=5.0) is True
+        assert rank.should_commit(0, 0, True, timeout=5.0).commit is True
 
 
 def test_a_manager_server_without_the_token_cannot_join_a_locked_lighthouse(locked):

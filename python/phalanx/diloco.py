@@ -306,7 +306,9 @@ class DiLoCo:
     def _reduce(self, buffer: torch.Tensor) -> Handle | Any:
         if self.quantize == "int8":
             return allreduce_int8(self.manager, buffer)
-        return self.manager.allreduce(buffer)
+        # The buffer lives across syncs: the collective gets a copy, so that one
+        # abandoned by a failed sync cannot write into a later sync's buffer.
+        return self.manager.allreduce(buffer.clone(), then=buffer.copy_)
 
     def _finish(self) -> SyncOutcome:
         """Ends the sync in flight: waits for its all-reduce, votes, and on commit

@@ -12,6 +12,14 @@ A group behind the others heals first: it streams the state of `max_step` from a
 up-to-date peers at once, straight into its own tensors, before it may vote (I4).
 Nothing here raises into the training loop because a peer died: a failed collective,
 a lost peer or a failed heal only make this step's vote "no".
+
+A state is named by its step *and* the quorum that committed that step: a group that
+committed a step in a quorum its peers went on without holds another state under the
+same number, and heals. A group commits only while the lighthouse still counts it in
+the step's quorum (its lease, checked by the manager server), so a group that was
+paused past the heartbeat timeout votes no when it wakes. A heal that fails part way
+leaves the state torn: the group heals again before it trains, and its ranks agree on
+that through their vote.
 """
 
 from __future__ import annotations
@@ -242,6 +250,12 @@ class Manager:
         self._pre_commit: list[Callable[[], None]] = []
         self._group_pg: dist.ProcessGroup | None = None
         self._step = 0
+        #: With `_step`, which state this rank holds: the quorum that committed it.
+        self._state_quorum_id = 0
+        #: A heal failed part way: the state is unusable until a heal succeeds.
+        self._torn = False
+        #: The identity before this step's heal, restored if the group's heal failed.
+        self._before_heal: tuple[int, int] | None = None
         self._quorum: _core.QuorumResult | None = None
         self._quorum_future: Future[_core.QuorumResult] | None = None
         self._quorum_resolved = False
@@ -329,6 +343,7 @@ class Manager:
             self._abort.clear()
         self._quorum_resolved = False
         self._heal_failed = False
+        self._before_heal = None
         step = self._step
         self.last_step = StepRecord(step=step)
         self._quorum_future = self._executor.submit(
@@ -338,6 +353,8 @@ class Manager:
             self.timeouts.quorum,
             self._host.address,
             shrink_only,
+            self._state_quorum_id,
+            self._torn,
         )
 
     def allreduce(
@@ -350,9 +367,16 @@ class Manager:
         """Starts averaging `tensor` in place over the participants; `then(tensor)`
         runs once the average is in. Never raises for a peer's failure.
 
+        Pass a tensor that belongs to this step alone (a fresh bucket, or a copy):
+        gloo cannot cancel a collective in flight, so after a failed step an
+        abandoned all-reduce may still write into `tensor` later. `then` never runs
+        for a failed step.
+
         `average=False` leaves the sum instead, for integer codes that cannot be
         divided in place (phalanx.quantize)."""
         quorum = self._resolve_quorum(tensor.device)
+        if quorum is not None and self._abort.is_set():
+            self._fail(self._abort.reason or "aborted")
         if quorum is None or self._abort.is_set():
             return self._remember(Handle(self, None, tensor, 1, then))
         if quorum.heal:
@@ -383,20 +407,32 @@ class Manager:
         record = self.last_step
         started = time.monotonic()
         try:
-            commit = self._client.should_commit(
-                self.group_rank, self._step, vote, self.timeouts.commit
+            decision = self._client.should_commit(
+                self.group_rank,
+                self._step,
+                vote,
+                self.timeouts.commit,
+                quorum_id=quorum.quorum_id if quorum is not None else 0,
+                torn=self._torn,
             )
+            commit, torn = decision.commit, decision.torn
         except (TimeoutError, ConnectionError, ValueError) as e:
             log.warning("commit vote of step %d failed: %s", self._step, e)
-            commit = False
+            # Whether the other ranks' heals succeeded is unknown.
+            commit, torn = False, self._before_heal is not None
         record.commit_s = time.monotonic() - started
+        # Only a heal can tear a state: a group that did not heal this step keeps it.
+        if torn and (self._before_heal is not None or self._torn):
+            self._tear()
         record.committed = commit
-        record.failure = self._failure if not commit else None
+        record.failure = (self._failure or "a rank voted no") if not commit else None
         record.participants = self.num_participants()
         if commit:
+            assert quorum is not None
             self._step += 1
+            self._state_quorum_id = quorum.quorum_id
         else:
-            log.info("step %d not committed: %s", self._step, self._failure or "a rank voted no")
+            log.info("step %d not committed: %s", self._step, record.failure)
             self._pg.reset()
         return commit
 
@@ -423,11 +459,7 @@ class Manager:
     def num_participants(self) -> int:
         """Groups whose contribution counts this step (healing groups add zeros)."""
         q = self._quorum
-        if q is None:
-            return 0
-        if self._init_sync and q.max_step == 0:
-            return 1
-        return sum(1 for m in q.participants if m.step == q.max_step)
+        return 0 if q is None else q.contributors
 
     def is_participating(self) -> bool:
         """Whether this group's contribution counts this step (it is not healing)."""
@@ -471,6 +503,18 @@ class Manager:
     @property
     def quorum_id(self) -> int | None:
         return None if self._quorum is None else self._quorum.quorum_id
+
+    @property
+    def state_quorum_id(self) -> int:
+        """The quorum that committed this rank's current step (0 before the first
+        commit): with `current_step()`, which state this rank holds."""
+        return self._state_quorum_id
+
+    @property
+    def torn(self) -> bool:
+        """Whether a heal failed part way, leaving the state unusable until the next
+        heal succeeds."""
+        return self._torn
 
     def shutdown(self) -> None:
         """Stops this rank's servers and threads; idempotent."""
@@ -519,9 +563,21 @@ class Manager:
         return self._quorum
 
     def _fail(self, reason: str) -> None:
-        if self._failure is None:
+        with self._membership_lock:
+            if self._failure is not None:
+                return
             self._failure = reason
-            log.warning("step %d failed: %s", self._step, reason)
+        log.warning("step %d failed: %s", self._step, reason)
+
+    def _tear(self) -> None:
+        """The group's heal failed on some rank: every rank treats its state as torn,
+        back at the step it held before, so the ranks agree on what they hold."""
+        if self._before_heal is not None:
+            self._step, self._state_quorum_id = self._before_heal
+            self._before_heal = None
+        if not self._torn:
+            log.warning("the state of step %d is torn; the group heals again", self._step)
+        self._torn = True
 
     def _remember(self, handle: Handle) -> Handle:
         self._handles.append(handle)
@@ -573,14 +629,9 @@ class Manager:
             return None
         if quorum.heal:
             self._heal(quorum)
-        elif self._peers_heal_from_me(quorum):
+        elif quorum.serves_healers:
             self._open_state(quorum)
         return quorum if self._joins_collectives else None
-
-    def _peers_heal_from_me(self, q: _core.QuorumResult) -> bool:
-        if self._init_sync and q.max_step == 0:
-            return q.replica_rank == 0 and q.replica_world_size > 1
-        return any(m.step < q.max_step for m in q.participants)
 
     def _state(self) -> dict[str, Any]:
         return {name: r.state_dict() for name, r in self._registered.items()}
@@ -598,6 +649,7 @@ class Manager:
             self._heal_failed = True
             return
         started = time.monotonic()
+        self._before_heal = (self._step, self._state_quorum_id)
         try:
             # The sources publish their state when they reach this step's collectives;
             # the fetch waits for that, within the heal deadline.
@@ -612,8 +664,10 @@ class Manager:
         except IncompatibleStateError:
             raise  # this group was built unlike its peers: no retry can help
         except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
+            # Tensors are written in place: some may hold the peers' bytes already.
             self._fail(f"heal to step {q.max_step} failed: {e}")
             self._heal_failed = True
+            self._tear()
             return
         for name, registered in self._registered.items():
             if name in state:
@@ -635,6 +689,8 @@ class Manager:
             time.monotonic() - started,
         )
         self._step = q.max_step
+        self._state_quorum_id = q.max_state_quorum_id
+        self._torn = False
 
     def _watch_membership(self) -> None:
         while not self._closed:
@@ -649,6 +705,8 @@ class Manager:
                 continue
             with self._membership_lock:
                 self._broken_quorum_id = max(self._broken_quorum_id, event.quorum_id)
-                if event.quorum_id == self._step_quorum_id:
-                    self._abort.set()
-                    self._fail(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")
+                concerns_step = event.quorum_id == self._step_quorum_id
+            if concerns_step:
+                # Fails the collectives still in flight (their result would lack the
+                # dead group's part); ones that completed before it stand.
+                self._abort.set(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")

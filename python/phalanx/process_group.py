@@ -120,6 +120,10 @@ class FaultTolerantProcessGroup:
         group's collectives in flight, and with a dead peer those last until their
         timeout, which the training thread must not wait for."""
         group, self._group, self._membership = self._group, None, None
+        if group is not None and self._backend == "nccl":
+            # NCCL can cancel its collectives in flight; gloo cannot (callers keep
+            # the tensors of a failed step away from later steps instead).
+            group.abort()
         if group is not None:
             holder = [group]
             del group
@@ -140,24 +144,27 @@ class FaultTolerantProcessGroup:
 
 
 class Abort:
-    """A step's abort flag. Setting it wakes every wait registered on it at once, so a
-    wait for a collective needs no polling to notice that a peer died.
+    """A step's abort flag and its reason. Setting it wakes every wait registered on it
+    at once, so a wait for a collective needs no polling to notice that a peer died.
 
     >>> abort, woken = Abort(), threading.Event()
     >>> abort.wake_on_abort(woken)
     False
-    >>> abort.set()
-    >>> woken.is_set(), abort.is_set()
-    (True, True)
+    >>> abort.set("group b died")
+    >>> woken.is_set(), abort.is_set(), abort.reason
+    (True, True, 'group b died')
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._set = False
+        self._reason: str | None = None
         self._waits: list[threading.Event] = []
 
-    def set(self) -> None:
+    def set(self, reason: str | None = None) -> None:
         with self._lock:
+            if not self._set:
+                self._reason = reason
             self._set = True
             waits, self._waits = self._waits, []
         for event in waits:
@@ -166,10 +173,16 @@ class Abort:
     def clear(self) -> None:
         with self._lock:
             self._set = False
+            self._reason = None
             self._waits = []
 
     def is_set(self) -> bool:
         return self._set
+
+    @property
+    def reason(self) -> str | None:
+        """Why the step was aborted, if it was."""
+        return self._reason
 
     def wake_on_abort(self, event: threading.Event) -> bool:
         """Sets `event` when the flag is set; True (and nothing registered) if it is
@@ -212,6 +225,7 @@ class Pending:
         if not self._done.wait(self._timeout):
             raise CollectiveFailed(f"all-reduce did not complete within {self._timeout:.1f} s")
         if not self._completed:
-            raise CollectiveFailed("aborted: a replica group of the quorum died")
+            reason = self._abort.reason or "aborted: a replica group of the quorum died"
+            raise CollectiveFailed(reason)
         if self._error is not None:
             raise CollectiveFailed(f"all-reduce failed: {self._error}") from self._error

@@ -2,8 +2,10 @@
 //! (invariant I6): the caller's timeout plus a short grace for the server's own
 //! answer, after which the call fails with a timeout rather than waiting on.
 
+use std::collections::VecDeque;
 use std::future::Future;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -195,6 +197,30 @@ pub struct Progress {
     pub step: i64,
 }
 
+/// What the lighthouse last acknowledged: while `until` is ahead, it will not declare
+/// this group dead, and the group is a live member of quorum `quorum_id` (0: none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub quorum_id: u64,
+    pub until: Instant,
+    /// When the acknowledged beat was sent.
+    pub sent_at: Instant,
+}
+
+impl Lease {
+    /// Whether the group may still commit a step of `quorum_id` at `now`.
+    pub fn holds(&self, quorum_id: u64, now: Instant) -> bool {
+        quorum_id != 0 && self.quorum_id == quorum_id && now < self.until
+    }
+}
+
+/// The part of a lease the group keeps for itself: clocks tick at slightly different
+/// rates and a decision takes a moment after its check.
+fn lease_length(lease_ms: u64) -> Duration {
+    let granted = Duration::from_millis(lease_ms);
+    granted.saturating_sub((granted / 10).max(Duration::from_millis(20)))
+}
+
 /// Aborts a task when dropped.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
@@ -206,37 +232,79 @@ impl Drop for AbortOnDrop {
 
 /// Keeps a group's heartbeat stream open for as long as the task runs, re-opening it
 /// after a lighthouse restart, and forwards the membership-loss events it receives.
+/// The send times of the beats not acknowledged yet, by sequence number.
+#[derive(Default)]
+struct InFlight(Mutex<VecDeque<(u64, Instant)>>);
+
+impl InFlight {
+    /// Keeps a bounded history: a lighthouse that never answers cannot grow it.
+    const KEPT: usize = 256;
+
+    fn sent(&self, seq: u64, at: Instant) {
+        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if sent.len() == Self::KEPT {
+            sent.pop_front();
+        }
+        sent.push_back((seq, at));
+    }
+
+    /// The send time of `seq`, forgetting it and every earlier beat.
+    fn acknowledged(&self, seq: u64) -> Option<Instant> {
+        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(&(s, at)) = sent.front() {
+            if s > seq {
+                return None;
+            }
+            sent.pop_front();
+            if s == seq {
+                return Some(at);
+            }
+        }
+        None
+    }
+}
+
 pub async fn keep_heartbeat(
     client: LighthouseClient,
     replica_id: String,
     interval: Duration,
     progress: watch::Receiver<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
+    lease: watch::Sender<Option<Lease>>,
 ) {
     let mut backoff = interval;
     loop {
         let (beats_tx, beats_rx) = mpsc::channel(4);
+        let in_flight = Arc::new(InFlight::default());
         // Only the first beat names the group; the server reads it before answering,
         // so it is queued before the call.
-        let beat = |p: Progress| proto::Beat {
+        let beat = move |p: Progress, seq: u64| proto::Beat {
             protocol_version: PROTOCOL_VERSION,
             replica_id: String::new(),
             last_quorum_id: p.last_quorum_id,
             step: p.step,
+            seq,
         };
+        in_flight.sent(1, Instant::now());
         let _ = beats_tx.try_send(proto::Beat {
             replica_id: replica_id.clone(),
-            ..beat(*progress.borrow())
+            ..beat(*progress.borrow(), 1)
         });
         let sender = {
             let progress = progress.clone();
+            let in_flight = in_flight.clone();
             AbortOnDrop(tokio::spawn(async move {
                 let mut ticker = tokio::time::interval(interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 ticker.tick().await;
+                let mut seq = 1;
                 loop {
                     ticker.tick().await;
-                    let next = beat(*progress.borrow());
+                    seq += 1;
+                    // Stamped before it is queued: a lease counts from no later than
+                    // the beat's real departure.
+                    in_flight.sent(seq, Instant::now());
+                    let next = beat(*progress.borrow(), seq);
                     if beats_tx.send(next).await.is_err() {
                         return;
                     }
@@ -255,6 +323,17 @@ pub async fn keep_heartbeat(
                             event: Some(proto::lighthouse_event::Event::MembershipLost(lost)),
                         })) => {
                             let _ = events.send(lost);
+                        }
+                        Ok(Some(proto::LighthouseEvent {
+                            event: Some(proto::lighthouse_event::Event::Lease(granted)),
+                        })) => {
+                            if let Some(sent_at) = in_flight.acknowledged(granted.seq) {
+                                lease.send_replace(Some(Lease {
+                                    quorum_id: granted.quorum_id,
+                                    until: sent_at + lease_length(granted.lease_ms),
+                                    sent_at,
+                                }));
+                            }
                         }
                         Ok(Some(_)) => {}
                         Ok(None) => {
@@ -284,6 +363,9 @@ pub async fn keep_heartbeat(
                 backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(interval));
             }
         }
+        // Without a stream the group cannot know whether the lighthouse still counts
+        // it in: no lease until a new stream's first acknowledgement.
+        lease.send_replace(None);
         drop(sender);
         tokio::time::sleep(backoff).await;
     }
@@ -305,22 +387,18 @@ impl ManagerClient {
         })
     }
 
+    /// Asks for the quorum of `request.step`; the protocol version and the timeout
+    /// fields are filled in here.
     pub async fn quorum(
         &self,
-        group_rank: u32,
-        step: i64,
-        state_address: String,
-        shrink_only: bool,
+        request: proto::ManagerQuorumRequest,
         timeout: Duration,
     ) -> Result<proto::ManagerQuorumResponse, Error> {
         let request = with_timeout(
             proto::ManagerQuorumRequest {
                 protocol_version: PROTOCOL_VERSION,
-                group_rank,
-                step,
-                state_address,
-                shrink_only,
                 timeout_ms: timeout_ms(timeout),
+                ..request
             },
             timeout,
         );
@@ -334,32 +412,28 @@ impl ManagerClient {
         .await
     }
 
+    /// Casts `vote.group_rank`'s vote and returns the group's decision.
     pub async fn should_commit(
         &self,
-        group_rank: u32,
-        step: i64,
-        vote: bool,
+        vote: proto::ShouldCommitRequest,
         timeout: Duration,
-    ) -> Result<bool, Error> {
+    ) -> Result<proto::ShouldCommitResponse, Error> {
         let request = with_timeout(
             proto::ShouldCommitRequest {
                 protocol_version: PROTOCOL_VERSION,
-                group_rank,
-                step,
-                vote,
                 timeout_ms: timeout_ms(timeout),
+                ..vote
             },
             timeout,
         );
         let mut client = self.inner.clone();
-        let r = call(
+        call(
             "manager server",
             &self.address,
             timeout,
             client.should_commit(request),
         )
-        .await?;
-        Ok(r.commit)
+        .await
     }
 
     /// Subscribes to the membership-loss events the manager relays.

@@ -51,6 +51,7 @@ fn beat(replica_id: &str) -> proto::Beat {
         replica_id: replica_id.to_string(),
         last_quorum_id: 0,
         step: 0,
+        seq: 0,
     }
 }
 

@@ -19,6 +19,8 @@ impl From<Member> for crate::quorum::Member {
             shrink_only: m.shrink_only,
             commit_failures: m.commit_failures,
             state_addresses: m.state_addresses,
+            state_quorum_id: m.state_quorum_id,
+            torn: m.torn,
         }
     }
 }
@@ -34,6 +36,8 @@ impl From<crate::quorum::Member> for Member {
             shrink_only: m.shrink_only,
             commit_failures: m.commit_failures,
             state_addresses: m.state_addresses,
+            state_quorum_id: m.state_quorum_id,
+            torn: m.torn,
         }
     }
 }

@@ -110,6 +110,8 @@ pub struct Member {
     shrink_only: bool,
     commit_failures: u32,
     state_addresses: Vec<String>,
+    state_quorum_id: u64,
+    torn: bool,
 }
 
 impl From<proto::Member> for Member {
@@ -123,6 +125,8 @@ impl From<proto::Member> for Member {
             shrink_only: m.shrink_only,
             commit_failures: m.commit_failures,
             state_addresses: m.state_addresses,
+            state_quorum_id: m.state_quorum_id,
+            torn: m.torn,
         }
     }
 }
@@ -153,10 +157,34 @@ pub struct QuorumResult {
     replica_world_size: u32,
     participants: Vec<Member>,
     max_step: i64,
+    max_state_quorum_id: u64,
     heal: bool,
     recovery_sources: Vec<RecoverySource>,
+    contributors: u32,
+    serves_healers: bool,
     store_address: String,
     store_prefix: String,
+}
+
+/// A group's decision on a step.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct CommitDecision {
+    /// Every rank voted yes in time and the group still counts in the step's quorum.
+    commit: bool,
+    /// Some rank of the group holds a torn state (its heal failed part way).
+    torn: bool,
+}
+
+#[pymethods]
+impl CommitDecision {
+    fn __bool__(&self) -> bool {
+        self.commit
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
 }
 
 /// Members of the current quorum died; abandon the step in flight.
@@ -346,6 +374,7 @@ impl LighthouseClient {
             shrink_only,
             commit_failures: unsigned("commit_failures", commit_failures)?,
             state_addresses,
+            ..Default::default()
         };
         let last_quorum_id = unsigned("last_quorum_id", last_quorum_id)?;
         let client = self.inner.clone();
@@ -490,7 +519,8 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false))]
+    #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
         py: Python<'_>,
@@ -499,21 +529,28 @@ impl ManagerClient {
         timeout: f64,
         state_address: String,
         shrink_only: bool,
+        state_quorum_id: u64,
+        torn: bool,
     ) -> PyResult<QuorumResult> {
         let timeout = seconds("timeout", timeout)?;
-        let group_rank = unsigned("group_rank", group_rank)?;
+        let request = proto::ManagerQuorumRequest {
+            group_rank: unsigned("group_rank", group_rank)?,
+            step,
+            state_address,
+            shrink_only,
+            state_quorum_id,
+            torn,
+            ..Default::default()
+        };
         let client = self.inner.clone();
-        let r = wait(py, async move {
-            client
-                .quorum(group_rank, step, state_address, shrink_only, timeout)
-                .await
-        })?;
+        let r = wait(py, async move { client.quorum(request, timeout).await })?;
         Ok(QuorumResult {
             quorum_id: r.quorum_id,
             replica_rank: r.replica_rank,
             replica_world_size: r.replica_world_size,
             participants: r.participants.into_iter().map(Into::into).collect(),
             max_step: r.max_step,
+            max_state_quorum_id: r.max_state_quorum_id,
             heal: r.heal,
             recovery_sources: r
                 .recovery_sources
@@ -523,12 +560,19 @@ impl ManagerClient {
                     state_address: s.state_address,
                 })
                 .collect(),
+            contributors: r.contributors,
+            serves_healers: r.serves_healers,
             store_address: r.store_address,
             store_prefix: r.store_prefix,
         })
     }
 
-    /// The group's decision for `step`: True only if every rank voted yes in time.
+    /// The group's decision for `step`: commit only if every rank voted yes in time
+    /// and the group still holds the lighthouse's lease of the step's quorum.
+    /// `quorum_id` (0: the one the group's ranks were last handed) names that quorum;
+    /// `torn` says this rank's heal failed part way.
+    #[pyo3(signature = (group_rank, step, vote, timeout, quorum_id = 0, torn = false))]
+    #[allow(clippy::too_many_arguments)]
     fn should_commit(
         &self,
         py: Python<'_>,
@@ -536,12 +580,23 @@ impl ManagerClient {
         step: i64,
         vote: bool,
         timeout: f64,
-    ) -> PyResult<bool> {
+        quorum_id: u64,
+        torn: bool,
+    ) -> PyResult<CommitDecision> {
         let timeout = seconds("timeout", timeout)?;
-        let group_rank = unsigned("group_rank", group_rank)?;
+        let vote = proto::ShouldCommitRequest {
+            group_rank: unsigned("group_rank", group_rank)?,
+            step,
+            vote,
+            quorum_id,
+            torn,
+            ..Default::default()
+        };
         let client = self.inner.clone();
-        wait(py, async move {
-            client.should_commit(group_rank, step, vote, timeout).await
+        let d = wait(py, async move { client.should_commit(vote, timeout).await })?;
+        Ok(CommitDecision {
+            commit: d.commit,
+            torn: d.torn,
         })
     }
 
@@ -691,6 +746,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Quorum>()?;
     m.add_class::<RecoverySource>()?;
     m.add_class::<QuorumResult>()?;
+    m.add_class::<CommitDecision>()?;
     m.add_class::<MembershipLost>()?;
     m.add_class::<LighthouseStatus>()?;
     m.add_class::<ReplicaStatus>()?;

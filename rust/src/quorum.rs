@@ -14,6 +14,9 @@
 //!   asked yet (a restarted group still importing torch) joins at the next round;
 //! - otherwise (the job's first quorum, or a live previous member is late) wait up
 //!   to `join_timeout` after the first request of the round;
+//! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
+//!   timeouts after the first request of the round (10 s by default), then no longer:
+//!   a group that lives but never asks again cannot stop the job;
 //! - the quorum id moves up whenever the membership changes or a member reports
 //!   commit failures, and is never reused: it starts above every id any caller
 //!   has seen, which is what lets a restarted lighthouse carry on (invariant I3).
@@ -39,6 +42,10 @@ pub struct Member {
     pub shrink_only: bool,
     pub commit_failures: u32,
     pub state_addresses: Vec<String>,
+    /// With `step`, which state the group holds: the quorum that committed its step.
+    pub state_quorum_id: QuorumId,
+    /// A heal failed part way; the state is unusable until a heal succeeds.
+    pub torn: bool,
 }
 
 /// The groups that take part in the steps until the next quorum.
@@ -218,6 +225,10 @@ impl fmt::Display for WaitReason {
     }
 }
 
+/// How long, in join timeouts from the start of a round, a live member of the previous
+/// quorum that has not asked again still counts toward the majority.
+pub const LATE_MEMBER_JOIN_TIMEOUTS: u32 = 10;
+
 /// Decides the next quorum. See the module documentation for the rules.
 pub fn decide(round: &Round<'_>) -> Decision {
     let Round {
@@ -262,7 +273,11 @@ pub fn decide(round: &Round<'_>) -> Decision {
             }
         }
     }
-    let relevant = late.len() + joined.len();
+    // A late member counts toward the majority for a bounded time only: one that never
+    // asks again (wedged, or dead without anyone noticing) must not stop the job.
+    let late_expiry = first_join + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
+    let counted_late = if now < late_expiry { late.len() } else { 0 };
+    let relevant = counted_late + joined.len();
 
     let blocker = if members.len() < config.min_replicas {
         Some(WaitReason::TooFewReplicas {
@@ -305,10 +320,11 @@ pub fn decide(round: &Round<'_>) -> Decision {
         };
     }
     if let Some(reason) = blocker {
-        return Decision::Wait {
-            until: None,
-            reason,
+        let until = match &reason {
+            WaitReason::NoMajority { .. } if counted_late > 0 => Some(late_expiry),
+            _ => None,
         };
+        return Decision::Wait { until, reason };
     }
 
     let members: Vec<Member> = members.iter().map(|j| j.member.clone()).collect();
@@ -339,7 +355,9 @@ fn next_id(
     if unchanged && !failures {
         highest
     } else {
-        highest + 1
+        // Callers refuse ids near the top (validate::MAX_QUORUM_ID); saturating keeps
+        // an unchecked caller from wrapping to 0 all the same.
+        highest.saturating_add(1)
     }
 }
 
@@ -554,23 +572,29 @@ mod tests {
     }
 
     #[test]
-    fn a_minority_never_issues_a_quorum_alone() {
+    fn a_minority_waits_for_live_late_members_for_a_bounded_time_only() {
         let mut s = Scene::new(&["a", "b", "c"]);
         for id in ["a", "b", "c"] {
             s.join_at(id, 0);
         }
         s.issue_at(0);
         s.join_at("a", 100);
+        // b and c live but do not ask: they still count toward the majority...
+        let expiry = 100 + u64::from(LATE_MEMBER_JOIN_TIMEOUTS) * 1000;
         assert_eq!(
             s.decide_at(5000),
             Decision::Wait {
-                until: None,
+                until: Some(s.t0 + Duration::from_millis(expiry)),
                 reason: WaitReason::NoMajority {
                     joined: 1,
                     relevant: 3
                 },
             }
         );
+        // ...until they have been late for LATE_MEMBER_JOIN_TIMEOUTS join timeouts: a
+        // group that never asks again (wedged) cannot stop the job.
+        assert!(matches!(s.decide_at(expiry - 1), Decision::Wait { .. }));
+        assert_eq!(ids(&s.issue_at(expiry)), ["a"]);
     }
 
     #[test]

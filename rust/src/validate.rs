@@ -54,6 +54,27 @@ pub fn step(step: i64) -> Result<(), Status> {
     Ok(())
 }
 
+/// Quorum ids above this are refused: at a thousand quorums a second a job would need
+/// 285,000 years to reach it, so a larger one is a bug or an attack, and refusing it
+/// keeps `id + 1` far from overflowing (invariant I3: ids never wrap or repeat).
+pub const MAX_QUORUM_ID: u64 = 1 << 53;
+
+pub fn quorum_id(field: &str, id: u64) -> Result<(), Status> {
+    if id > MAX_QUORUM_ID {
+        return Err(Status::invalid_argument(format!(
+            "{field} {id} is implausible (above {MAX_QUORUM_ID}); send the id of a quorum \
+             this job issued, or 0"
+        )));
+    }
+    Ok(())
+}
+
+/// A heartbeat beat's numbers.
+pub fn beat(beat: &proto::Beat) -> Result<(), Status> {
+    step(beat.step)?;
+    quorum_id("last_quorum_id", beat.last_quorum_id)
+}
+
 pub fn world_size(world_size: u32) -> Result<(), Status> {
     if world_size == 0 || world_size > MAX_WORLD_SIZE {
         return Err(Status::invalid_argument(format!(
@@ -90,6 +111,7 @@ pub fn timeout_ms(timeout_ms: u64) -> Result<std::time::Duration, Status> {
 pub fn member(m: &proto::Member) -> Result<(), Status> {
     replica_id(&m.replica_id)?;
     step(m.step)?;
+    quorum_id("state_quorum_id", m.state_quorum_id)?;
     world_size(m.world_size)?;
     address("manager address", &m.manager_address)?;
     address("store address", &m.store_address)?;

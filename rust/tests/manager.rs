@@ -80,7 +80,20 @@ fn ask(
 ) -> Answer<proto::ManagerQuorumResponse> {
     let client = client.clone();
     let state = state_address(group, rank);
-    tokio::spawn(async move { client.quorum(rank, step, state, false, CALL_TIMEOUT).await })
+    tokio::spawn(async move {
+        client
+            .quorum(rank_request(rank, step, state), CALL_TIMEOUT)
+            .await
+    })
+}
+
+fn rank_request(group_rank: u32, step: i64, state_address: String) -> proto::ManagerQuorumRequest {
+    proto::ManagerQuorumRequest {
+        group_rank,
+        step,
+        state_address,
+        ..Default::default()
+    }
 }
 
 fn vote(
@@ -91,7 +104,16 @@ fn vote(
     timeout: Duration,
 ) -> Answer<bool> {
     let client = client.clone();
-    tokio::spawn(async move { client.should_commit(rank, step, yes, timeout).await })
+    let ballot = proto::ShouldCommitRequest {
+        group_rank: rank,
+        step,
+        vote: yes,
+        ..Default::default()
+    };
+    tokio::spawn(async move {
+        let decision = client.should_commit(ballot, timeout).await?;
+        Ok(decision.commit)
+    })
 }
 
 async fn bounded<T>(what: &str, limit: Duration, fut: impl Future<Output = T>) -> T {
@@ -187,6 +209,9 @@ async fn the_group_commits_only_when_every_rank_votes_yes() {
     let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
     let c = rank_client(&group);
     let timeout = Duration::from_secs(2);
+    for rank in [ask(&c, "g", 0, 1), ask(&c, "g", 1, 1)] {
+        answer("quorum", rank).await.expect("plan");
+    }
 
     let yes = [vote(&c, 0, 1, true, timeout), vote(&c, 1, 1, true, timeout)];
     for task in yes {
@@ -291,7 +316,7 @@ async fn with_the_lighthouse_down_a_quorum_fails_at_once_as_a_connection_error()
     let result = bounded(
         "quorum",
         timeout * 2,
-        c.quorum(0, 0, state_address("g", 0), false, timeout),
+        c.quorum(rank_request(0, 0, state_address("g", 0)), timeout),
     )
     .await;
     let waited = asked.elapsed();
@@ -453,4 +478,26 @@ async fn a_step_retried_after_an_aborted_commit_can_commit() {
             "every rank voted yes on the retry"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_that_lost_its_lease_does_not_commit_though_every_rank_votes_yes() {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), 1).await;
+    let c = rank_client(&group);
+    answer("quorum", ask(&c, "g", 0, 0)).await.expect("plan");
+    assert!(answer("vote", vote(&c, 0, 0, true, CALL_TIMEOUT))
+        .await
+        .expect("vote"));
+
+    // Without the lighthouse nobody vouches that the group still counts in the
+    // quorum: its peers may have gone on without it, so it must not commit.
+    lighthouse.shutdown().await;
+    let voted = Instant::now();
+    let short = Duration::from_millis(700);
+    let committed = answer("vote", vote(&c, 0, 1, true, short))
+        .await
+        .expect("vote");
+    assert!(!committed, "a group without a lease committed");
+    assert!(voted.elapsed() < short + Duration::from_millis(500));
 }

@@ -1,10 +1,19 @@
 //! A replica group's liveness, beaten by its heartbeat stream without taking the
 //! lighthouse's lock: at 10,000 groups beating ten times a second, a lock per beat
 //! would make every quorum request queue behind the beats.
+//!
+//! A beat and an eviction race on one atomic word: the beat moves the time of the
+//! last beat forward unless the pulse is retired, the eviction retires it only if that
+//! time is still old. So a beat that succeeded was seen by every later eviction check,
+//! and the lease acknowledged for it holds (see `LighthouseState::expire`).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// `last_beat_ns` of a pulse that is evicted, or replaced by a newer stream.
+const RETIRED: i64 = i64::MIN;
 
 #[derive(Debug)]
 pub struct Pulse {
@@ -12,8 +21,8 @@ pub struct Pulse {
     epoch: Instant,
     last_beat_ns: AtomicI64,
     step: AtomicI64,
-    /// Evicted, or replaced by a newer stream: its stream should end.
-    retired: AtomicBool,
+    /// The quorum this group is a live member of (0: none), as its leases name it.
+    lease_quorum: AtomicU64,
     /// The highest quorum id the lighthouse has heard from anyone.
     heard: Arc<AtomicU64>,
 }
@@ -24,21 +33,36 @@ impl Pulse {
             epoch,
             last_beat_ns: AtomicI64::new(offset(epoch, now)),
             step: AtomicI64::new(step),
-            retired: AtomicBool::new(false),
+            lease_quorum: AtomicU64::new(0),
             heard,
         }
     }
 
-    pub fn beat(&self, now: Instant, step: i64, last_quorum_id: u64) {
-        self.last_beat_ns.store(offset(self.epoch, now), Relaxed);
+    /// Records a beat at `now`; false (and nothing recorded) once the pulse is retired.
+    pub fn beat(&self, now: Instant, step: i64, last_quorum_id: u64) -> bool {
+        let at = offset(self.epoch, now);
+        let beaten = self
+            .last_beat_ns
+            .fetch_update(AcqRel, Acquire, |last| {
+                (last != RETIRED).then_some(last.max(at))
+            })
+            .is_ok();
+        if !beaten {
+            return false;
+        }
         self.step.store(step, Relaxed);
         if last_quorum_id > self.heard.load(Relaxed) {
             self.heard.fetch_max(last_quorum_id, Relaxed);
         }
+        true
     }
 
+    /// The last beat; a retired pulse reads as having never beaten since the epoch.
     pub fn last_beat(&self) -> Instant {
-        let ns = self.last_beat_ns.load(Relaxed);
+        let ns = self.last_beat_ns.load(Acquire);
+        if ns == RETIRED {
+            return self.epoch;
+        }
         let magnitude = Duration::from_nanos(ns.unsigned_abs());
         if ns >= 0 {
             self.epoch + magnitude
@@ -52,11 +76,30 @@ impl Pulse {
     }
 
     pub fn retire(&self) {
-        self.retired.store(true, Relaxed);
+        self.last_beat_ns.store(RETIRED, Release);
+    }
+
+    /// Retires the pulse if its last beat is no later than `horizon`; false when a
+    /// beat came in after it (or it was retired already).
+    pub fn retire_if_silent_since(&self, horizon: Instant) -> bool {
+        let horizon = offset(self.epoch, horizon);
+        self.last_beat_ns
+            .fetch_update(AcqRel, Acquire, |last| {
+                (last != RETIRED && last <= horizon).then_some(RETIRED)
+            })
+            .is_ok()
     }
 
     pub fn is_retired(&self) -> bool {
-        self.retired.load(Relaxed)
+        self.last_beat_ns.load(Acquire) == RETIRED
+    }
+
+    pub fn lease_quorum(&self) -> u64 {
+        self.lease_quorum.load(Acquire)
+    }
+
+    pub fn set_lease_quorum(&self, quorum_id: u64) {
+        self.lease_quorum.store(quorum_id, Release);
     }
 }
 
@@ -79,7 +122,7 @@ mod tests {
         let pulse = Pulse::new(epoch, before, 0, heard.clone());
         assert_eq!(pulse.last_beat(), before);
         let later = epoch + Duration::from_millis(1234);
-        pulse.beat(later, 7, 9);
+        assert!(pulse.beat(later, 7, 9));
         assert_eq!(pulse.last_beat(), later);
         assert_eq!(pulse.step(), 7);
         assert_eq!(heard.load(Relaxed), 9);
@@ -89,5 +132,50 @@ mod tests {
             9,
             "a lower id never lowers what was heard"
         );
+    }
+
+    #[test]
+    fn a_beat_never_moves_the_last_beat_back() {
+        let epoch = Instant::now();
+        let pulse = Pulse::new(epoch, epoch, 0, Arc::new(AtomicU64::new(0)));
+        let late = epoch + Duration::from_millis(50);
+        pulse.beat(late, 0, 0);
+        pulse.beat(epoch + Duration::from_millis(10), 0, 0);
+        assert_eq!(pulse.last_beat(), late);
+    }
+
+    #[test]
+    fn an_eviction_check_and_a_beat_cannot_both_succeed_on_one_instant() {
+        let epoch = Instant::now();
+        let pulse = Pulse::new(epoch, epoch, 0, Arc::new(AtomicU64::new(0)));
+        let horizon = epoch + Duration::from_millis(100);
+        // A beat after the horizon saves the pulse from this eviction check...
+        assert!(pulse.beat(horizon + Duration::from_millis(1), 0, 0));
+        assert!(!pulse.retire_if_silent_since(horizon));
+        // ...and once a check has retired it, no beat is taken (nor acknowledged).
+        assert!(pulse.retire_if_silent_since(horizon + Duration::from_millis(5)));
+        assert!(pulse.is_retired());
+        assert!(!pulse.beat(horizon + Duration::from_millis(6), 0, 0));
+    }
+
+    #[test]
+    fn racing_beats_and_evictions_agree_on_who_won() {
+        // Whatever the interleaving, an acknowledged beat at t means no eviction with
+        // a horizon before t succeeds.
+        for _ in 0..200 {
+            let epoch = Instant::now();
+            let pulse = Arc::new(Pulse::new(epoch, epoch, 0, Arc::new(AtomicU64::new(0))));
+            let at = epoch + Duration::from_millis(10);
+            let beater = {
+                let pulse = pulse.clone();
+                std::thread::spawn(move || pulse.beat(at, 0, 0))
+            };
+            let evicted = pulse.retire_if_silent_since(epoch + Duration::from_millis(5));
+            let beaten = beater.join().unwrap();
+            assert!(
+                beaten != evicted,
+                "beaten {beaten}, evicted {evicted}: exactly one wins"
+            );
+        }
     }
 }

@@ -132,6 +132,17 @@ impl Drop for LeaveOnDrop {
     }
 }
 
+/// The acknowledgement of beat `seq` (see `proto::Lease`).
+fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEvent, Status> {
+    Ok(proto::LighthouseEvent {
+        event: Some(proto::lighthouse_event::Event::Lease(proto::Lease {
+            seq,
+            quorum_id,
+            lease_ms,
+        })),
+    })
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::LighthouseEvent, Status>> + Send>>;
 
 fn refuse<T>(shared: &Shared, reason: &'static str, r: Result<T, Status>) -> Result<T, Status> {
@@ -153,6 +164,7 @@ impl Lighthouse for LighthouseService {
                 .requester
                 .ok_or_else(|| Status::invalid_argument("quorum request without a requester"))?;
             validate::member(&member)?;
+            validate::quorum_id("last_quorum_id", req.last_quorum_id)?;
             Ok((member, validate::timeout_ms(req.timeout_ms)?))
         });
         let (member, timeout) = refuse(&self.shared, "invalid", checked)?;
@@ -220,11 +232,15 @@ impl Lighthouse for LighthouseService {
         };
         let checked = validate::protocol_version(first.protocol_version).and_then(|_| {
             validate::replica_id(&first.replica_id)?;
-            validate::step(first.step)
+            validate::beat(&first)
         });
         refuse(&self.shared, "invalid", checked)?;
 
         let (events_tx, events_rx) = mpsc::channel(16);
+        // Weak: the state holds the stream's one strong sender, so that evicting the
+        // group ends its response stream at once, beats or no beats.
+        let acks = events_tx.downgrade();
+        let lease_ms = heartbeat_timeout.as_millis() as u64;
         let (stream_id, pulse) = {
             let mut st = self.shared.lock();
             let now = Instant::now();
@@ -237,22 +253,35 @@ impl Lighthouse for LighthouseService {
             opened
         };
         self.shared.metrics.heartbeats.inc();
+        // A full queue means the group is not reading; it holds no lease then.
+        let acknowledge = move |seq: u64, quorum_id: u64| match acks.upgrade() {
+            Some(events) => {
+                let _ = events.try_send(lease(seq, quorum_id, lease_ms));
+                true
+            }
+            None => false,
+        };
+        acknowledge(first.seq, pulse.lease_quorum());
 
         let shared = self.shared.clone();
-        let replica_id = first.replica_id;
+        let replica_id = first.replica_id.clone();
         // Ends when the group's side closes or breaks, or at its first beat once it was
-        // evicted or the lighthouse stopped (both retire the pulse and end the
-        // response stream, so the group closes its side too).
+        // evicted or the lighthouse stopped (both retire the pulse, and the stream's
+        // response ends with this task).
         tokio::spawn(async move {
             loop {
                 match inbound.message().await {
-                    // The hot path: no lock, a few atomic stores.
+                    // The hot path: no lock, a few atomic operations and one ack.
                     Ok(Some(beat)) => {
                         shared.metrics.heartbeats.inc();
-                        if pulse.is_retired() || validate::step(beat.step).is_err() {
+                        if validate::beat(&beat).is_err()
+                            || !pulse.beat(Instant::now(), beat.step, beat.last_quorum_id)
+                        {
                             return;
                         }
-                        pulse.beat(Instant::now(), beat.step, beat.last_quorum_id);
+                        if !acknowledge(beat.seq, pulse.lease_quorum()) {
+                            return;
+                        }
                     }
                     Ok(None) | Err(_) => {
                         let mut st = shared.lock();

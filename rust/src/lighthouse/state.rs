@@ -178,7 +178,10 @@ impl LighthouseState {
 
     fn beat(&mut self, replica_id: &str, step: i64, last_quorum_id: QuorumId, now: Instant) {
         match self.replicas.get(replica_id) {
-            Some(r) => r.pulse.beat(now, step, last_quorum_id),
+            // A pulse in the map is never retired: eviction removes it first.
+            Some(r) => {
+                r.pulse.beat(now, step, last_quorum_id);
+            }
             None => {
                 let pulse = self.new_pulse(now, step);
                 pulse.beat(now, step, last_quorum_id);
@@ -224,10 +227,19 @@ impl LighthouseState {
                 self.heartbeat_timeout.as_secs_f64()
             )));
         }
+        // A group whose old stream went silent is dead: its peers learn it now, and
+        // the new stream starts without a lease.
+        if self.replicas.get(id).is_some_and(|r| r.stream.is_some()) {
+            self.evict(id, Eviction::HeartbeatTimeout);
+        }
         // A fresh pulse: a stale stream of the same group, should it wake up, beats
-        // into its own retired one and ends.
+        // into its own retired one and ends. A group known so far only from its quorum
+        // requests keeps the quorum it is a member of.
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
+        if let Some(known) = self.replicas.get(id) {
+            pulse.set_lease_quorum(known.pulse.lease_quorum());
+        }
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
         let replaced = self.replicas.insert(
@@ -266,10 +278,13 @@ impl LighthouseState {
         let Some(horizon) = now.checked_sub(self.heartbeat_timeout) else {
             return Vec::new();
         };
+        // Retiring in the same atomic step as the check means a beat that arrives
+        // meanwhile either lands before it (and the group lives on) or is refused (and
+        // never acknowledged), so no lease outlives its group's eviction.
         let stale: Vec<ReplicaId> = self
             .replicas
             .iter()
-            .filter(|(_, r)| r.pulse.last_beat() <= horizon)
+            .filter(|(_, r)| r.pulse.retire_if_silent_since(horizon))
             .map(|(id, _)| id.clone())
             .collect();
         for id in &stale {
@@ -377,6 +392,20 @@ impl LighthouseState {
             self.joiners.remove(id);
             if let Some(p) = self.pending.remove(id) {
                 let _ = p.reply.send(Ok(reply.clone()));
+            }
+        }
+        // Leases name the new quorum from now on; a member of the old one left out
+        // of it holds none.
+        if let Some(old) = &self.previous {
+            for id in old.replica_ids().filter(|id| !quorum.contains(id)) {
+                if let Some(r) = self.replicas.get(id) {
+                    r.pulse.set_lease_quorum(0);
+                }
+            }
+        }
+        for id in quorum.replica_ids() {
+            if let Some(r) = self.replicas.get(id) {
+                r.pulse.set_lease_quorum(quorum.id);
             }
         }
         self.heard.fetch_max(quorum.id, Relaxed);

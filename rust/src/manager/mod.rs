@@ -8,7 +8,7 @@ pub mod plan;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -18,7 +18,7 @@ use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
-use crate::client::{keep_heartbeat, LighthouseClient, Progress};
+use crate::client::{keep_heartbeat, Lease, LighthouseClient, Progress};
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
 use crate::{validate, Error};
@@ -65,6 +65,8 @@ type Reply<T> = oneshot::Sender<Result<T, Status>>;
 struct RankRequest {
     state_address: String,
     shrink_only: bool,
+    state_quorum_id: u64,
+    torn: bool,
     reply: Reply<proto::ManagerQuorumResponse>,
 }
 
@@ -74,44 +76,80 @@ struct Gathering {
     ranks: BTreeMap<u32, RankRequest>,
 }
 
+type Decision = proto::ShouldCommitResponse;
+
+#[derive(Default)]
 struct Ballot {
     voted: BTreeSet<u32>,
+    /// Every rank voted yes so far.
     all_yes: bool,
-    waiters: Vec<oneshot::Sender<bool>>,
+    /// Some rank's state is torn.
+    torn: bool,
+    /// The quorum ids the ranks said the step ran in (0: not said).
+    quorum_ids: BTreeSet<u64>,
+    waiters: Vec<oneshot::Sender<Decision>>,
+}
+
+/// The quorum the group's ranks were last handed, and when it arrived.
+#[derive(Clone, Copy, Debug)]
+struct StepQuorum {
+    id: u64,
+    received_at: Instant,
 }
 
 #[derive(Default)]
 struct Group {
     gathering: Option<Gathering>,
     ballots: BTreeMap<i64, Ballot>,
-    decided: VecDeque<(i64, bool)>,
+    decided: VecDeque<(i64, Decision)>,
     last_quorum_id: u64,
     commit_failures: u32,
+    quorum: Option<StepQuorum>,
 }
 
 impl Group {
-    /// Records a decision and answers every rank still waiting on it.
-    fn decide(&mut self, step: i64, commit: bool) {
+    /// Records the decision of `step` and answers every rank waiting on it; a step
+    /// is decided once, so a later call gets the first decision back.
+    fn decide(&mut self, step: i64, decision: Decision) -> Decision {
+        if let Some(first) = self.decided(step) {
+            return first;
+        }
         if let Some(ballot) = self.ballots.remove(&step) {
             for waiter in ballot.waiters {
-                let _ = waiter.send(commit);
+                let _ = waiter.send(decision);
             }
         }
-        if !commit {
+        if !decision.commit {
             self.commit_failures = self.commit_failures.saturating_add(1);
         }
-        self.decided.push_back((step, commit));
+        self.decided.push_back((step, decision));
         if self.decided.len() > DECISIONS_KEPT {
             self.decided.pop_front();
         }
+        decision
     }
 
-    fn decided(&self, step: i64) -> Option<bool> {
+    fn decided(&self, step: i64) -> Option<Decision> {
         self.decided
             .iter()
             .rev()
             .find(|(s, _)| *s == step)
-            .map(|(_, c)| *c)
+            .map(|(_, d)| *d)
+    }
+}
+
+/// What the lease says about committing a step of quorum `quorum` that arrived at
+/// `received_at`: yes, no for good, or not yet known (wait for the next
+/// acknowledgement). No for good once a beat sent after the quorum arrived was
+/// acknowledged for another quorum: the lighthouse went on without this group.
+fn lease_verdict(lease: Option<&Lease>, quorum: StepQuorum, now: Instant) -> Option<bool> {
+    let lease = lease?;
+    if lease.holds(quorum.id, now) {
+        Some(true)
+    } else if lease.quorum_id != quorum.id && lease.sent_at > quorum.received_at {
+        Some(false)
+    } else {
+        None
     }
 }
 
@@ -122,11 +160,55 @@ struct Shared {
     group: Mutex<Group>,
     progress: watch::Sender<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
+    lease: watch::Receiver<Option<Lease>>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Group> {
         self.group.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the group still holds a lease of `quorum`, waiting for the lighthouse's
+    /// next acknowledgement when it cannot tell yet, up to `deadline`.
+    async fn holds_lease(&self, quorum: StepQuorum, deadline: Instant) -> bool {
+        let mut lease = self.lease.clone();
+        let verdict = async move {
+            let mut verdict = None;
+            let _ = lease
+                .wait_for(|l| {
+                    verdict = lease_verdict(l.as_ref(), quorum, Instant::now());
+                    verdict.is_some()
+                })
+                .await;
+            verdict
+        };
+        matches!(
+            tokio::time::timeout_at(deadline.into(), verdict).await,
+            Ok(Some(true))
+        )
+    }
+
+    /// Every rank has voted: the group commits if all said yes, no rank is torn, and
+    /// it still holds the lease of the step's quorum.
+    async fn decide(&self, step: i64, ballot: (bool, bool, BTreeSet<u64>), deadline: Instant) {
+        let (all_yes, torn, claimed) = ballot;
+        let quorum = self.lock().quorum;
+        let agreed = quorum.filter(|q| claimed.iter().all(|id| *id == q.id));
+        let mut commit = all_yes && !torn && agreed.is_some();
+        if let (true, Some(quorum)) = (commit, agreed) {
+            commit = self.holds_lease(quorum, deadline).await;
+            if !commit {
+                tracing::warn!(
+                    replica_id = self.options.replica_id,
+                    step,
+                    quorum_id = quorum.id,
+                    "every rank voted yes, but the lighthouse no longer counts this group in \
+                     quorum {}: the step is not committed",
+                    quorum.id
+                );
+            }
+        }
+        self.lock().decide(step, Decision { commit, torn });
     }
 
     /// All ranks are in: one lighthouse request for the whole group.
@@ -148,6 +230,18 @@ impl Shared {
                 .values()
                 .map(|r| r.state_address.clone())
                 .collect(),
+            state_quorum_id: gathering
+                .ranks
+                .values()
+                .map(|r| r.state_quorum_id)
+                .max()
+                .unwrap_or(0),
+            // Ranks that disagree on which state they hold cannot all hold the job's.
+            torn: gathering.ranks.values().any(|r| r.torn)
+                || !gathering
+                    .ranks
+                    .values()
+                    .all(|r| r.state_quorum_id == gathering.ranks[&0].state_quorum_id),
         };
         let result = self
             .lighthouse
@@ -170,6 +264,10 @@ impl Shared {
             let mut g = self.lock();
             g.last_quorum_id = g.last_quorum_id.max(quorum.quorum_id);
             g.commit_failures = g.commit_failures.saturating_sub(commit_failures);
+            g.quorum = Some(StepQuorum {
+                id: quorum.quorum_id,
+                received_at: Instant::now(),
+            });
         }
         self.progress.send_modify(|p| {
             p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
@@ -234,6 +332,7 @@ impl Manager for ManagerService {
             world_size,
         )?;
         validate::address("state address", &req.state_address)?;
+        validate::quorum_id("state_quorum_id", req.state_quorum_id)?;
 
         let (reply, answer) = oneshot::channel();
         let complete = {
@@ -271,6 +370,8 @@ impl Manager for ManagerService {
             let request = RankRequest {
                 state_address: req.state_address,
                 shrink_only: req.shrink_only,
+                state_quorum_id: req.state_quorum_id,
+                torn: req.torn,
                 reply,
             };
             if let Some(old) = gathering.ranks.insert(req.group_rank, request) {
@@ -336,52 +437,71 @@ impl Manager for ManagerService {
             world_size,
         )?;
 
+        validate::quorum_id("quorum_id", req.quorum_id)?;
+        let deadline = Instant::now() + timeout;
+
         let (tx, rx) = oneshot::channel();
-        {
+        let complete = {
             let mut g = shared.lock();
-            if let Some(commit) = g.decided(req.step) {
-                return Ok(Response::new(proto::ShouldCommitResponse { commit }));
+            if let Some(decision) = g.decided(req.step) {
+                return Ok(Response::new(decision));
             }
             let ballot = g.ballots.entry(req.step).or_insert_with(|| Ballot {
-                voted: BTreeSet::new(),
                 all_yes: true,
-                waiters: Vec::new(),
+                ..Ballot::default()
             });
             ballot.voted.insert(req.group_rank);
             ballot.all_yes &= req.vote;
-            ballot.waiters.push(tx);
-            if ballot.voted.len() == world_size as usize {
-                let commit = ballot.all_yes;
-                g.decide(req.step, commit);
+            ballot.torn |= req.torn;
+            if req.quorum_id != 0 {
+                ballot.quorum_ids.insert(req.quorum_id);
             }
+            ballot.waiters.push(tx);
+            (ballot.voted.len() == world_size as usize).then(|| {
+                (
+                    ballot.all_yes,
+                    ballot.torn,
+                    std::mem::take(&mut ballot.quorum_ids),
+                )
+            })
+        };
+        if let Some(ballot) = complete {
+            shared.decide(req.step, ballot, deadline).await;
         }
-        let commit = match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(commit)) => commit,
-            Ok(Err(_)) => false,
+        let decision = match tokio::time::timeout_at(deadline.into(), rx).await {
+            Ok(Ok(decision)) => decision,
+            Ok(Err(_)) => Decision {
+                commit: false,
+                torn: true,
+            },
             Err(_) => {
-                // A rank that never votes means "no" for everyone, never a hang.
+                // A rank that never votes means "no" for everyone, never a hang; and
+                // its heal, if it healed, may not have completed.
                 let mut g = shared.lock();
-                // The last vote may have come in while this timer fired: every rank
-                // of the group must get that decision, not a second one.
-                if let Some(commit) = g.decided(req.step) {
-                    return Ok(Response::new(proto::ShouldCommitResponse { commit }));
-                }
                 let missing: Vec<u32> = g
                     .ballots
                     .get(&req.step)
                     .map(|b| (0..world_size).filter(|r| !b.voted.contains(r)).collect())
                     .unwrap_or_default();
-                tracing::warn!(
-                    replica_id = shared.options.replica_id,
-                    step = req.step,
-                    "rank(s) {missing:?} did not vote within {:.3} s; the step is not committed",
-                    timeout.as_secs_f64()
+                let decision = g.decide(
+                    req.step,
+                    Decision {
+                        commit: false,
+                        torn: true,
+                    },
                 );
-                g.decide(req.step, false);
-                false
+                if !missing.is_empty() {
+                    tracing::warn!(
+                        replica_id = shared.options.replica_id,
+                        step = req.step,
+                        "rank(s) {missing:?} did not vote within {:.3} s; the step is not committed",
+                        timeout.as_secs_f64()
+                    );
+                }
+                decision
             }
         };
-        Ok(Response::new(proto::ShouldCommitResponse { commit }))
+        Ok(Response::new(decision))
     }
 
     type EventsStream = EventStream;
@@ -437,6 +557,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     )?;
     let (progress, progress_rx) = watch::channel(Progress::default());
     let (events, _) = broadcast::channel(64);
+    let (lease, lease_rx) = watch::channel(None);
     let (listener, bound) = server::bind(&options.bind).await?;
     let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
     let shared = Arc::new(Shared {
@@ -446,6 +567,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         group: Mutex::new(Group::default()),
         progress,
         events: events.clone(),
+        lease: lease_rx,
     });
     let (shutdown, mut stopping) = watch::channel(false);
     let grpc = ManagerServer::new(ManagerService {
@@ -461,6 +583,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         options.heartbeat_interval,
         progress_rx,
         events,
+        lease,
     );
     // A stopping server closes its heartbeat stream at once, so that the lighthouse
     // and the other groups learn now, not after the shutdown grace.

@@ -5,11 +5,41 @@ use tonic::Status;
 
 use crate::proto;
 
+/// Which state a group holds: its step and the quorum that committed that step.
+/// Two groups at one step hold the same bytes only if one quorum committed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Identity {
+    pub step: i64,
+    pub state_quorum_id: u64,
+}
+
+impl Identity {
+    pub fn of(m: &proto::Member) -> Identity {
+        Identity {
+            step: m.step,
+            state_quorum_id: m.state_quorum_id,
+        }
+    }
+}
+
+/// The state the quorum trains on: the most advanced sound one, and among states of
+/// one step the one committed last (a group that committed that step in an earlier
+/// quorum was dropped from it, and its peers went on without it). None when every
+/// participant is torn.
+pub fn job_state(participants: &[proto::Member]) -> Option<Identity> {
+    participants
+        .iter()
+        .filter(|m| !m.torn)
+        .map(Identity::of)
+        .max()
+}
+
 /// The answer for `group_rank` of group `replica_id`.
 ///
-/// A group heals when it is behind the most advanced participant. With `init_sync`,
-/// at step 0 every group but the first heals from the first, so that all groups
-/// start from the same weights whatever their random initialisation.
+/// A group heals when its state is not the job's (see [`job_state`]): it is behind,
+/// it holds a step committed in a quorum its peers went on without, or its state is
+/// torn. With `init_sync`, at step 0 every group but the first heals from the first,
+/// so that all groups start from the same weights whatever their random initialisation.
 pub fn rank_plan(
     quorum: &proto::Quorum,
     replica_id: &str,
@@ -27,23 +57,27 @@ pub fn rank_plan(
             ))
         })?;
     let me = &participants[replica_rank];
-    let max_step = participants.iter().map(|m| m.step).max().unwrap_or(0);
-    let first_sync = init_sync && max_step == 0 && replica_rank != 0;
-    let heal = me.step < max_step || first_sync;
+    // With every participant torn nobody holds a usable state: all must heal, and
+    // with no source their heals fail until a sound group joins.
+    let target = job_state(participants);
+    let first_sync = init_sync && target.is_some_and(|t| t.step == 0);
+    let first_sound = participants.iter().find(|m| !m.torn).map(|m| &m.replica_id);
+    // The groups whose state is the job's this step; every other one heals from them.
+    let source = |m: &proto::Member| {
+        if first_sync {
+            Some(&m.replica_id) == first_sound
+        } else {
+            !m.torn && Some(Identity::of(m)) == target
+        }
+    };
+    let heal = !source(me);
 
     let recovery_sources = if !heal {
         Vec::new()
     } else {
-        let up_to_date = |m: &&proto::Member| {
-            if first_sync {
-                m.replica_id == participants[0].replica_id
-            } else {
-                m.step == max_step
-            }
-        };
         participants
             .iter()
-            .filter(up_to_date)
+            .filter(|m| source(m))
             .filter_map(|m| {
                 m.state_addresses
                     .get(group_rank as usize)
@@ -55,6 +89,12 @@ pub fn rank_plan(
             })
             .collect()
     };
+    let contributors = participants.iter().filter(|m| source(m)).count();
+    let serves_healers = !heal && contributors < participants.len();
+    let target = target.unwrap_or(Identity {
+        step: participants.iter().map(|m| m.step).max().unwrap_or(0),
+        state_quorum_id: 0,
+    });
 
     let primary = &participants[0];
     Ok(proto::ManagerQuorumResponse {
@@ -62,9 +102,12 @@ pub fn rank_plan(
         replica_rank: replica_rank as u32,
         replica_world_size: participants.len() as u32,
         participants: participants.clone(),
-        max_step,
+        max_step: target.step,
+        max_state_quorum_id: target.state_quorum_id,
         heal,
         recovery_sources,
+        contributors: contributors as u32,
+        serves_healers,
         store_address: primary.store_address.clone(),
         store_prefix: format!("phalanx/q{}/r{group_rank}", quorum.quorum_id),
     })
@@ -134,5 +177,74 @@ mod tests {
     fn a_quorum_without_the_group_is_an_error() {
         let q = quorum(vec![member("a", 0)]);
         assert!(rank_plan(&q, "z", 0, true).is_err());
+    }
+
+    fn committed_in(mut m: proto::Member, quorum_id: u64) -> proto::Member {
+        m.state_quorum_id = quorum_id;
+        m
+    }
+
+    fn torn(mut m: proto::Member) -> proto::Member {
+        m.torn = true;
+        m
+    }
+
+    #[test]
+    fn one_step_committed_in_two_quorums_is_two_states_and_the_later_one_wins() {
+        // c committed step 4 in quorum 2 after a and b had dropped it; they committed
+        // step 4 in quorum 3. Same step count, different bytes: c heals.
+        let q = quorum(vec![
+            committed_in(member("a", 4), 3),
+            committed_in(member("b", 4), 3),
+            committed_in(member("c", 4), 2),
+        ]);
+        let c = rank_plan(&q, "c", 0, true).unwrap();
+        assert!(c.heal);
+        assert_eq!((c.max_step, c.max_state_quorum_id), (4, 3));
+        assert_eq!(c.recovery_sources.len(), 2);
+        let a = rank_plan(&q, "a", 0, true).unwrap();
+        assert!(!a.heal && a.serves_healers);
+        assert_eq!(a.contributors, 2);
+    }
+
+    #[test]
+    fn a_torn_group_heals_even_at_the_job_step_and_is_never_a_source() {
+        let q = quorum(vec![
+            committed_in(member("a", 9), 5),
+            torn(committed_in(member("b", 9), 5)),
+            torn(committed_in(member("c", 12), 6)),
+        ]);
+        let b = rank_plan(&q, "b", 1, true).unwrap();
+        assert!(b.heal);
+        assert_eq!(b.max_step, 9, "a torn state does not set the job's step");
+        let sources: Vec<_> = b
+            .recovery_sources
+            .iter()
+            .map(|s| s.replica_id.as_str())
+            .collect();
+        assert_eq!(sources, ["a"]);
+        assert!(rank_plan(&q, "c", 1, true).unwrap().heal);
+        assert_eq!(rank_plan(&q, "a", 0, true).unwrap().contributors, 1);
+    }
+
+    #[test]
+    fn with_every_group_torn_all_heal_and_none_serves() {
+        let q = quorum(vec![torn(member("a", 3)), torn(member("b", 5))]);
+        for id in ["a", "b"] {
+            let plan = rank_plan(&q, id, 0, true).unwrap();
+            assert!(plan.heal && plan.recovery_sources.is_empty());
+            assert_eq!(plan.contributors, 0);
+        }
+    }
+
+    #[test]
+    fn the_first_sync_comes_from_the_first_sound_group() {
+        let q = quorum(vec![torn(member("a", 0)), member("b", 0), member("c", 0)]);
+        assert!(rank_plan(&q, "a", 0, true).unwrap().heal);
+        let b = rank_plan(&q, "b", 0, true).unwrap();
+        assert!(!b.heal && b.serves_healers);
+        assert_eq!(b.contributors, 1);
+        let c = rank_plan(&q, "c", 0, true).unwrap();
+        assert_eq!(c.recovery_sources[0].replica_id, "b");
     }
 }
