@@ -3,6 +3,11 @@
 Prints one JSON line per step: the step it ran, whether it committed, the quorum, and
 a hash of its model and optimizer state after the step. Data is seeded by (step,
 replica) so that every group sees different samples, as in a real job.
+
+`--pause-at STEP --pause-phase PHASE` makes the rank stop itself (SIGSTOP, the whole
+process, heartbeat included) once, at STEP, in PHASE: with its all-reduce in flight,
+after the collectives and before its vote, or after the vote and before the
+optimizer steps. It prints {"event": "pausing"} first; the test sends SIGCONT.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -21,11 +28,58 @@ import phalanx
 from state_digest import state_hash
 
 
+class Pause:
+    """Stops this process once, at one step and phase (see the module docstring)."""
+
+    def __init__(self, manager: phalanx.Manager, step: int, phase: str | None):
+        self.manager, self.step, self.phase = manager, step, phase
+        if phase == "before_vote":
+            # The vote is the manager server's RPC: stop just before it is sent.
+            manager._client = _StopBeforeVote(manager._client, self)
+        elif phase == "after_vote":
+            should_commit = manager.should_commit
+
+            def then_stop() -> bool:
+                decision = should_commit()
+                self.at("after_vote", manager.current_step() - decision)
+                return decision
+
+            manager.should_commit = then_stop
+
+    def at(self, phase: str, step: int) -> None:
+        if phase == self.phase and step == self.step:
+            self.phase = None
+            print(json.dumps({"event": "pausing", "phase": phase, "step": step}), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class _StopBeforeVote:
+    def __init__(self, client, pause: Pause):
+        self._client, self._pause = client, pause
+
+    def should_commit(self, group_rank, step, *args, **kwargs):
+        self._pause.at("before_vote", step)
+        return self._client.should_commit(group_rank, step, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument(
+        "--pause-phase", choices=["in_allreduce", "before_vote", "after_vote"], default=None
+    )
+    parser.add_argument(
+        "--first-heal-timeout",
+        type=float,
+        default=None,
+        help="the heal deadline of this rank's first heal only (to make it fail)",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
@@ -34,6 +88,10 @@ def main() -> None:
     ddp = phalanx.DistributedDataParallel(model, manager)
     optimizer = phalanx.Optimizer(manager, torch.optim.Adam(model.parameters(), lr=0.01))
     rank = manager.group_rank
+    pause = Pause(manager, args.pause_at, args.pause_phase)
+    timeouts = manager.timeouts
+    if args.first_heal_timeout is not None:
+        manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
     print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
 
     while manager.current_step() < args.steps:
@@ -44,7 +102,10 @@ def main() -> None:
         y = x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
+        pause.at("in_allreduce", step)
         committed = optimizer.step()
+        if manager.last_step.healed or "heal" in (manager.failure or ""):
+            manager.timeouts = timeouts  # the first heal is over, one way or the other
         print(
             json.dumps(
                 {
@@ -56,6 +117,9 @@ def main() -> None:
                     "participants": manager.num_participants(),
                     "loss": loss.item(),
                     "hash": state_hash(model, optimizer.optimizer),
+                    "state_quorum_id": manager.state_quorum_id,
+                    "torn": manager.torn,
+                    "failure": manager.failure,
                     "t": time.time(),
                 }
             ),

@@ -1,0 +1,144 @@
+"""A step number means one state (I1), whatever pauses, late collectives and failed
+heals do: every step committed anywhere carries one fingerprint across the groups.
+
+Each scenario is made deterministic by the rank itself: it stops its own process
+(SIGSTOP, so its heartbeat stops too) at a chosen step and phase, the test waits until
+its peers have gone on without it, and only then wakes it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+import phalanx
+
+from conftest import TESTS, Child, free_port
+from test_transaction import assert_bit_identical, committed
+
+TRAIN = TESTS / "ft_train.py"
+HEARTBEAT_TIMEOUT = 1.0
+PAUSE_AT = 6
+STEPS = 30
+
+
+@pytest.fixture
+def lighthouse():
+    with phalanx.LighthouseServer(
+        bind="127.0.0.1:0", join_timeout=0.3, heartbeat_timeout=HEARTBEAT_TIMEOUT
+    ) as server:
+        yield server
+
+
+def start_rank(
+    spawn: Callable[..., Child],
+    lighthouse: str,
+    replica_id: str,
+    *options: str,
+    rank: int = 0,
+    world_size: int = 1,
+    port: int = 0,
+) -> Child:
+    env = {
+        "PHALANX_REPLICA_ID": replica_id,
+        "PHALANX_LIGHTHOUSE": lighthouse,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    argv = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--timeout", "10", *options]
+    return spawn(f"{replica_id}/{rank}", argv, env)
+
+
+def finish(children: list[Child]) -> None:
+    for child in children:
+        child.expect(lambda line: line.get("event") == "done", 120, "training finishes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["in_allreduce", "before_vote", "after_vote"])
+def test_a_group_paused_past_the_heartbeat_timeout_never_splits_a_step(spawn, lighthouse, phase):
+    a = start_rank(spawn, lighthouse.address, "a")
+    b = start_rank(spawn, lighthouse.address, "b")
+    c = start_rank(
+        spawn,
+        lighthouse.address,
+        "c",
+        "--pause-at",
+        str(PAUSE_AT),
+        "--pause-phase",
+        phase,
+    )
+    c.expect(lambda line: line.get("event") == "pausing", 60, "c stops itself")
+    c.stopped = True
+    paused_at = time.time()
+    # The lighthouse declares c dead and a, b go on without it, past c's step.
+    for survivor in (a, b):
+        survivor.expect(
+            lambda line: line.get("committed")
+            and line["after"] > PAUSE_AT + 2
+            and line["t"] > paused_at + HEARTBEAT_TIMEOUT,
+            60,
+            f"{survivor.name} commits without c",
+        )
+    c.signal(signal.SIGCONT)
+
+    # c wakes with its step of the old quorum: it must not commit it unless its peers
+    # committed the same (its collectives completed before it paused, after_vote).
+    woken = c.expect(lambda line: line.get("event") == "step", 60, "c ends its step")
+    assert woken["step"] == PAUSE_AT
+    if phase != "after_vote":
+        assert not woken["committed"], woken
+    # Then it heals from its peers and trains with them to the end.
+    c.expect(lambda line: line.get("committed") and line["after"] > PAUSE_AT + 3, 60, "c heals")
+    finish([a, b, c])
+    assert assert_bit_identical([a, b, c]) >= STEPS - PAUSE_AT - 5
+
+
+@pytest.mark.slow
+def test_a_heal_that_fails_on_one_rank_makes_the_whole_group_heal_again(spawn, lighthouse):
+    ports = {name: free_port() for name in "ab"}
+    steps = ["--steps", "80"]
+    a = [
+        start_rank(spawn, lighthouse.address, "a", *steps, rank=r, world_size=2, port=ports["a"])
+        for r in (0, 1)
+    ]
+    # b's rank 1 fails its first heal (deadline 0.1 ms); rank 0's succeeds.
+    b = [
+        start_rank(
+            spawn,
+            lighthouse.address,
+            "b",
+            *steps,
+            *(["--first-heal-timeout", "0.0001"] if r == 1 else []),
+            rank=r,
+            world_size=2,
+            port=ports["b"],
+        )
+        for r in (0, 1)
+    ]
+    failed = b[1].expect(
+        lambda line: line.get("event") == "step" and "heal" in (line["failure"] or ""),
+        60,
+        "b's rank 1 fails its heal",
+    )
+    assert failed["torn"], failed
+    # The vote carried the outcome: rank 0 too holds a torn state at its old step,
+    # so both ask for the same step, heal together and go on.
+    attempt = next(
+        line
+        for line in b[0].lines
+        if line.get("event") == "step" and line["step"] == failed["step"]
+    )
+    assert attempt["torn"] and not attempt["committed"], attempt
+    for rank in b:
+        rank.expect(lambda line: line.get("committed"), 60, f"{rank.name} commits")
+    finish(a + b)
+    assert assert_bit_identical(a + b) >= 10
+    for rank in b:
+        assert not any("disagree" in line.get("text", "") for line in rank.lines)
