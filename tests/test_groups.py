@@ -12,7 +12,7 @@ import time
 
 import phalanx
 
-from conftest import HEARTBEAT_TIMEOUT, http_get, is_step, wait_until
+from conftest import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, http_get, is_step, wait_until
 
 ABC = ["a", "b", "c"]
 
@@ -187,3 +187,25 @@ def test_groups_carry_on_through_a_lighthouse_restart(start_lighthouse_cli, star
     # The groups were never restarted.
     assert [group.pid for group in groups] == pids
     assert all(group.proc.poll() is None for group in groups)
+
+
+def test_a_live_group_that_never_asks_again_holds_the_job_back_for_a_bounded_time(
+    lighthouse, start_group
+):
+    # "w" lives (its manager server heartbeats) but, wedged, never asks again after
+    # its first quorum. With two groups, a alone is no majority of {a, w}: it waits,
+    # but only for 10 join timeouts, then goes on alone.
+    a = start_group("a", lighthouse.address)
+    a.expect(lambda line: is_step(line, ["a"]), 30, "a trains")
+    with phalanx.ManagerServer("w", lighthouse.address, heartbeat_interval=0.05) as wedged:
+        rank = phalanx.ManagerClient(wedged.address)
+        first = rank.quorum(0, 0, timeout=10.0)
+        assert [m.replica_id for m in first.participants] == ["a", "w"]
+        wedged_at = time.time()
+        line = a.expect(
+            lambda line: is_step(line, ["a"]) and line["quorum_at"] > wedged_at, 20, "a alone"
+        )
+        waited = line["quorum_at"] - wedged_at
+        assert 8 * JOIN_TIMEOUT < waited < 10 * JOIN_TIMEOUT + 5.0, waited
+        status = phalanx.LighthouseClient(lighthouse.address).status(timeout=2.0)
+        assert "w" in {r.replica_id for r in status.replicas if r.connected}

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import pytest
 
 import phalanx
+from test_transaction import assert_bit_identical
 
 from conftest import TESTS, Child, free_port
-from test_transaction import assert_bit_identical, committed
 
 TRAIN = TESTS / "ft_train.py"
 HEARTBEAT_TIMEOUT = 1.0
@@ -80,9 +80,11 @@ def test_a_group_paused_past_the_heartbeat_timeout_never_splits_a_step(spawn, li
     # The lighthouse declares c dead and a, b go on without it, past c's step.
     for survivor in (a, b):
         survivor.expect(
-            lambda line: line.get("committed")
-            and line["after"] > PAUSE_AT + 2
-            and line["t"] > paused_at + HEARTBEAT_TIMEOUT,
+            lambda line: (
+                line.get("committed")
+                and line["after"] > PAUSE_AT + 2
+                and line["t"] > paused_at + HEARTBEAT_TIMEOUT
+            ),
             60,
             f"{survivor.name} commits without c",
         )
