@@ -86,6 +86,16 @@ def test_a_fresh_lighthouse_continues_above_the_ids_the_groups_report(lighthouse
     assert quorum.quorum_id == 42
 
 
+def test_an_implausible_quorum_id_is_refused_and_numbering_goes_on(lighthouse):
+    # I3: one request claiming a huge last quorum id must not make the ids wrap.
+    client = phalanx.LighthouseClient(lighthouse.address)
+    with pytest.raises(ValueError, match="last_quorum_id .* is implausible"):
+        client.quorum("ghost", timeout=1.0, last_quorum_id=2**60)
+    first = client.quorum("a", timeout=5.0, commit_failures=1)
+    second = client.quorum("a", timeout=5.0, commit_failures=1, last_quorum_id=first.quorum_id)
+    assert 0 < first.quorum_id < second.quorum_id < 2**53
+
+
 def test_a_quorum_that_cannot_form_times_out_and_says_why():
     with phalanx.LighthouseServer(min_replicas=2, join_timeout=JOIN_TIMEOUT) as lighthouse:
         client = phalanx.LighthouseClient(lighthouse.address)

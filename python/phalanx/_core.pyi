@@ -31,6 +31,13 @@ class Member:
     @property
     def state_addresses(self) -> list[str]:
         """Where each rank of the group serves its state, by group rank."""
+    @property
+    def state_quorum_id(self) -> int:
+        """With `step`, which state the group holds: the quorum that committed its step
+        (0 before the first commit)."""
+    @property
+    def torn(self) -> bool:
+        """A heal failed part way: the state is unusable until a heal succeeds."""
 
 class Quorum:
     """A quorum as the lighthouse issued it; participants are ordered by replica id."""
@@ -66,17 +73,39 @@ class QuorumResult:
     @property
     def max_step(self) -> int: ...
     @property
+    def max_state_quorum_id(self) -> int:
+        """The quorum that committed `max_step` in the state every participant holds
+        once the healers have healed."""
+    @property
     def heal(self) -> bool:
-        """True when this group must load the state of `max_step` before it may commit."""
+        """True when this group must load the state of `max_step` before it may commit:
+        it is behind, holds that step as committed in another quorum, or is torn."""
     @property
     def recovery_sources(self) -> list[RecoverySource]:
         """Every up-to-date peer (same group rank), to stripe the download over."""
+    @property
+    def contributors(self) -> int:
+        """Groups whose contribution counts this step (healers add zeros)."""
+    @property
+    def serves_healers(self) -> bool:
+        """Whether a healing peer fetches from this group this step."""
     @property
     def store_address(self) -> str:
         """The rendezvous store of the cross-group process group."""
     @property
     def store_prefix(self) -> str:
         """A key prefix unique to this quorum and group rank."""
+
+class CommitDecision:
+    """A group's decision on a step; true when it commits."""
+
+    @property
+    def commit(self) -> bool:
+        """Every rank voted yes in time and the group still counts in the step's quorum."""
+    @property
+    def torn(self) -> bool:
+        """Some rank of the group holds a torn state: every rank treats its own as torn."""
+    def __bool__(self) -> bool: ...
 
 class MembershipLost:
     """Members of the current quorum died; the step in flight should be abandoned."""
@@ -221,10 +250,30 @@ class ManagerClient:
         timeout: float,
         state_address: str = "",
         shrink_only: bool = False,
+        state_quorum_id: int = 0,
+        torn: bool = False,
     ) -> QuorumResult:
-        """Asks for the quorum of `step`; every rank of the group must ask for the same step."""
-    def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
-        """True only if every rank of the group voted yes before the deadline."""
+        """Asks for the quorum of `step` (the state committed in quorum
+        `state_quorum_id`; `torn` after a failed heal); every rank of the group must ask
+        for the same step."""
+    def should_commit(
+        self,
+        group_rank: int,
+        step: int,
+        vote: bool,
+        timeout: float,
+        quorum_id: int = 0,
+        torn: bool = False,
+    ) -> CommitDecision:
+        """The group's decision: commit only if every rank voted yes before the
+        deadline and the group still holds the lighthouse's lease of the step's quorum
+        (`quorum_id`, 0: the one the ranks were last handed). `torn` says this rank's
+        heal failed part way.
+
+        >>> decision = rank.should_commit(0, step, True, timeout=5.0)  # doctest: +SKIP
+        >>> bool(decision), decision.torn  # doctest: +SKIP
+        (True, False)
+        """
     def subscribe_events(self, timeout: float = 5.0) -> None:
         """Starts listening for membership-loss events (idempotent)."""
     def next_event(self, timeout: float = 0.0) -> MembershipLost | None:
