@@ -4,6 +4,7 @@ a deadline and which are always reaped, even when a test fails half-way."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -266,3 +267,78 @@ def is_step(line: dict, participants: list[str] | None = None) -> bool:
         and line["committed"]
         and (participants is None or line["participants"] == participants)
     )
+
+
+class Proxy:
+    """A TCP relay on loopback in front of `target` ("host:port"), whose connections a
+    test can cut at once (both ends see the connection close) while new ones go
+    through as before: a network blip, not a dead server."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(self._target, timeout=5.0)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._open += [client, upstream]
+                self.connections += 1
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> int:
+        """Closes every connection open now; returns how many there were."""
+        with self._lock:
+            cut, self._open = self._open, []
+        for s in cut:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        return len(cut) // 2
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+@pytest.fixture
+def proxy() -> Iterator[Callable[[str], Proxy]]:
+    """Starts relays (see `Proxy`); all are closed when the test ends."""
+    proxies: list[Proxy] = []
+
+    def start(target: str) -> Proxy:
+        proxies.append(Proxy(target))
+        return proxies[-1]
+
+    try:
+        yield start
+    finally:
+        for p in proxies:
+            p.close()

@@ -8,6 +8,8 @@ replica) so that every group sees different samples, as in a real job.
 process, heartbeat included) once, at STEP, in PHASE: with its all-reduce in flight,
 after the collectives and before its vote, or after the vote and before the
 optimizer steps. It prints {"event": "pausing"} first; the test sends SIGCONT.
+`--hold-at STEP` holds only the training thread, with its all-reduce in flight (the
+heartbeat goes on), until the test sends SIGUSR1.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument(
         "--pause-phase", choices=["in_allreduce", "before_vote", "after_vote"], default=None
     )
+    parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument(
         "--first-heal-timeout",
         type=float,
@@ -82,6 +85,9 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    if args.hold_at >= 0:
+        # Blocked in every thread (they inherit it), so that it waits for sigtimedwait.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     manager = phalanx.Manager(timeout=args.timeout)
@@ -103,6 +109,10 @@ def main() -> None:
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         pause.at("in_allreduce", step)
+        if step == args.hold_at:
+            args.hold_at = -1
+            print(json.dumps({"event": "holding", "step": step}), flush=True)
+            signal.sigtimedwait([signal.SIGUSR1], 60)
         committed = optimizer.step()
         if manager.last_step.healed or "heal" in (manager.failure or ""):
             manager.timeouts = timeouts  # the first heal is over, one way or the other

@@ -144,3 +144,34 @@ def test_a_heal_that_fails_on_one_rank_makes_the_whole_group_heal_again(spawn, l
     assert assert_bit_identical(a + b) >= 10
     for rank in b:
         assert not any("disagree" in line.get("text", "") for line in rank.lines)
+
+
+@pytest.mark.slow
+def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, lighthouse, proxy):
+    # c reaches the lighthouse through a relay. Its training thread is held with its
+    # all-reduce in flight while the relay cuts its connection: the lighthouse
+    # declares c dead (stream broken), a and b abandon the step and commit it again
+    # without c. When c's thread goes on, its all-reduce may still complete (gloo
+    # cannot cancel a peer's abandoned one): c must vote no all the same.
+    relay = proxy(lighthouse.address)
+    a = start_rank(spawn, lighthouse.address, "a")
+    b = start_rank(spawn, lighthouse.address, "b")
+    c = start_rank(spawn, relay.address, "c", "--hold-at", str(PAUSE_AT))
+    c.expect(lambda line: line.get("event") == "holding", 60, "c holds its step")
+    assert relay.cut() >= 1
+    cut_at = time.time()
+    for survivor in (a, b):
+        survivor.expect(
+            lambda line: (
+                line.get("committed") and line["after"] > PAUSE_AT + 2 and line["t"] > cut_at
+            ),
+            60,
+            f"{survivor.name} commits without c",
+        )
+    c.signal(signal.SIGUSR1)
+
+    woken = c.expect(lambda line: line.get("event") == "step", 60, "c ends its step")
+    assert woken["step"] == PAUSE_AT and not woken["committed"], woken
+    c.expect(lambda line: line.get("committed") and line["after"] > PAUSE_AT + 3, 60, "c heals")
+    finish([a, b, c])
+    assert assert_bit_identical([a, b, c]) >= STEPS - PAUSE_AT - 5
