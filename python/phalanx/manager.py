@@ -407,15 +407,7 @@ class Manager:
         record = self.last_step
         started = time.monotonic()
         try:
-            decision = self._client.should_commit(
-                self.group_rank,
-                self._step,
-                vote,
-                self.timeouts.commit,
-                quorum_id=quorum.quorum_id if quorum is not None else 0,
-                torn=self._torn,
-            )
-            commit, torn = decision.commit, decision.torn
+            commit, torn = self._vote(vote, quorum)
         except (TimeoutError, ConnectionError, ValueError) as e:
             log.warning("commit vote of step %d failed: %s", self._step, e)
             # Whether the other ranks' heals succeeded is unknown.
@@ -568,6 +560,27 @@ class Manager:
                 return
             self._failure = reason
         log.warning("step %d failed: %s", self._step, reason)
+
+    def _vote(self, vote: bool, quorum: _core.QuorumResult | None) -> tuple[bool, bool]:
+        """Casts this rank's vote; returns the group's (commit, torn). A vote whose
+        answer was lost is cast again: the manager server answers a step it decided
+        with that decision, so this rank cannot miss a commit its peers applied."""
+        for attempt in (1, 2):
+            try:
+                decision = self._client.should_commit(
+                    self.group_rank,
+                    self._step,
+                    vote,
+                    self.timeouts.commit,
+                    quorum_id=quorum.quorum_id if quorum is not None else 0,
+                    torn=self._torn,
+                )
+                return decision.commit, decision.torn
+            except (TimeoutError, ConnectionError) as e:
+                if attempt == 2:
+                    raise
+                log.warning("commit vote of step %d: %s; voting again", self._step, e)
+        raise AssertionError("unreachable")
 
     def _tear(self) -> None:
         """The group's heal failed on some rank: every rank treats its state as torn,
