@@ -177,13 +177,14 @@ fn scene() -> impl Strategy<Value = Scene> {
     scene_with(prop::option::weighted(0.7, previous_quorum()))
 }
 
-/// Properties 1 and 2 for a quorum issued from these inputs.
+/// Properties 1 and 2 for a quorum issued from these inputs at `now`.
 fn check_issued(
     q: &Quorum,
     joiners: &BTreeMap<ReplicaId, Joiner>,
     live: &BTreeSet<ReplicaId>,
     previous: Option<&Quorum>,
     config: &QuorumConfig,
+    now: Instant,
 ) -> Result<(), TestCaseError> {
     for id in q.replica_ids() {
         prop_assert!(live.contains(id), "dead replica {id} is a member of {q:?}");
@@ -200,10 +201,20 @@ fn check_issued(
         "members not strictly sorted: {:?}",
         ids(q)
     );
-    // The replicas that matter for the majority: live previous members and live joiners.
+    // The replicas that matter for the majority: live joiners, and live previous
+    // members that have not asked, for LATE_MEMBER_JOIN_TIMEOUTS join timeouts from
+    // the round's first request.
+    let first_join = joiners
+        .values()
+        .filter(|j| live.contains(&j.member.replica_id))
+        .map(|j| j.joined_at)
+        .min()
+        .expect("a quorum was issued, so someone joined");
+    let late_count = now < first_join + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
     let relevant: BTreeSet<&str> = previous
         .into_iter()
         .flat_map(Quorum::replica_ids)
+        .filter(|_| late_count)
         .chain(joiners.keys().map(String::as_str))
         .filter(|id| live.contains(*id))
         .collect();
@@ -231,7 +242,8 @@ proptest! {
         let t0 = Instant::now();
         let joiners = scene.joiners(t0);
         if let Decision::Issue(q) = scene.decide_with(t0, &joiners) {
-            check_issued(&q, &joiners, &scene.live, scene.previous.as_ref(), &scene.config)?;
+            let now = t0 + Duration::from_millis(scene.now_ms);
+            check_issued(&q, &joiners, &scene.live, scene.previous.as_ref(), &scene.config, now)?;
         }
     }
 
@@ -450,6 +462,7 @@ impl Lighthouse {
             &self.live,
             self.previous.as_ref(),
             &self.config,
+            now,
         )?;
 
         let max_before = self.issued.iter().map(|p| p.id).max().unwrap_or(0);
@@ -508,6 +521,56 @@ proptest! {
         };
         for event in &events {
             lighthouse.apply(event)?;
+        }
+    }
+}
+
+proptest! {
+    /// Invariant I3 over the whole range of ids a caller may report: the id issued is
+    /// above every id heard, never wraps, and stays within what callers accept.
+    #[test]
+    fn a_quorum_id_is_above_every_id_heard_over_the_whole_u64_range(
+        heard in prop_oneof![
+            0..=phalanx::validate::MAX_QUORUM_ID,
+            (phalanx::validate::MAX_QUORUM_ID - 16)..=phalanx::validate::MAX_QUORUM_ID,
+            any::<u64>(),
+        ],
+        reported in any::<u64>(),
+    ) {
+        let reported = reported.min(heard);
+        let joiners: BTreeMap<ReplicaId, Joiner> = [(
+            name(0),
+            Joiner {
+                member: member(0),
+                last_quorum_id: reported,
+                joined_at: Instant::now(),
+            },
+        )]
+        .into();
+        let live: BTreeSet<ReplicaId> = [name(0)].into();
+        let config = QuorumConfig { min_replicas: 1, join_timeout: Duration::from_millis(1) };
+        let round = Round {
+            joiners: &joiners,
+            live: &live,
+            previous: None,
+            highest_seen_id: heard,
+            config: &config,
+            now: Instant::now() + Duration::from_secs(1),
+        };
+        let Decision::Issue(q) = decide(&round) else {
+            return Err(TestCaseError::fail("a lone live joiner past the join timeout is issued"));
+        };
+        if heard < u64::MAX {
+            prop_assert_eq!(q.id, heard + 1);
+        } else {
+            // Unreachable through the lighthouse (it refuses ids above MAX_QUORUM_ID),
+            // and even so it saturates rather than wrap to 0.
+            prop_assert_eq!(q.id, u64::MAX);
+        }
+        if heard <= phalanx::validate::MAX_QUORUM_ID {
+            prop_assert!(phalanx::validate::quorum_id("last_quorum_id", heard).is_ok());
+        } else {
+            prop_assert!(phalanx::validate::quorum_id("last_quorum_id", heard).is_err());
         }
     }
 }
