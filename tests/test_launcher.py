@@ -236,3 +236,47 @@ def test_sigterm_stops_every_rank_and_leaves_no_orphan():
             launcher.kill()
             launcher.wait()
         launcher.stdout.close()
+
+
+def test_a_dead_fork_server_is_noticed_at_once_not_spun_on():
+    from phalanx.forkserver import ForkServer
+
+    server = ForkServer()
+    rank = server.start([sys.executable, "-c", "pass"], child_env())
+    server.process.kill()
+    server.process.wait()
+    started = time.monotonic()
+    # Its closed socket stays readable: pumping must see the end, not loop on it.
+    assert rank.wait(timeout=10.0) is not None
+    server.pump(0.1)
+    assert time.monotonic() - started < 5.0
+    server.close()
+    rank.stdout.close()
+    server.process.stdout.close()
+
+
+def test_sigint_ends_the_launcher_and_every_rank():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    for line in proc.stdout:
+        if "(1 rank(s), forked, pids" in line:
+            pids.append(int(line.rsplit("pids ", 1)[1].rstrip(")\n")))
+        if len(pids) == 2:
+            break
+    # As a terminal's Ctrl-C does: the signal reaches the launcher's whole group.
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode is not None
+    assert not any(alive(pid) for pid in pids)

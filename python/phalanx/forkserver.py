@@ -199,6 +199,8 @@ class ForkServer:
         theirs.close()
         self.channel = ours
         self._exits: dict[int, int] = {}
+        #: The server closed its end (it exited): nothing more will come.
+        self._gone = False
 
     def start(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
         """Forks a rank running `argv`; raises ConnectionError if the server is gone."""
@@ -235,6 +237,8 @@ class ForkServer:
         self.process.wait()
 
     def _readable(self, timeout: float) -> bool:
+        if self._gone:
+            return False
         ready, _, _ = select.select([self.channel], [], [], max(0.0, timeout))
         return bool(ready)
 
@@ -247,6 +251,7 @@ class ForkServer:
         except OSError:
             return None
         if not message:
+            self._gone = True  # end of stream: a closed socket stays readable forever
             return None
         report = json.loads(message)
         if "exited" in report:
