@@ -69,11 +69,12 @@ async fn call<T>(
     }
 }
 
-/// A transport failure (no server, connection reset) becomes a `Connect` error; a
-/// status the server sent is passed on as it is.
+/// A transport failure (no server, a connection reset or broken mid-call, whatever
+/// code tonic gave it) becomes a `Connect` error naming the server; a status the
+/// server sent is passed on as it is.
 fn word(what: &'static str, address: &str, status: Status) -> Error {
     let from_transport = std::error::Error::source(&status).is_some();
-    if status.code() == Code::Unavailable && from_transport {
+    if from_transport && status.code() != Code::DeadlineExceeded {
         let mut detail = status.message().to_string();
         let mut source = std::error::Error::source(&status);
         while let Some(s) = source {

@@ -21,6 +21,31 @@ pub enum Error {
     Rpc(#[from] Status),
 }
 
+/// Every status code a call can end with, as the kind a caller sees. Exhaustive, so
+/// that no failure surfaces outside the four documented kinds: tonic reports a
+/// connection that broke mid-call as `Unknown` or `Internal` ("transport error",
+/// "h2 protocol error"), which is a lost peer like any other.
+pub fn rpc_kind(code: Code) -> ErrorKind {
+    match code {
+        Code::DeadlineExceeded => ErrorKind::Timeout,
+        Code::Unavailable
+        | Code::Aborted
+        | Code::Cancelled
+        | Code::Unknown
+        | Code::Internal
+        | Code::DataLoss => ErrorKind::Connection,
+        Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Permission,
+        Code::Ok
+        | Code::InvalidArgument
+        | Code::AlreadyExists
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::ResourceExhausted
+        | Code::NotFound
+        | Code::Unimplemented => ErrorKind::InvalidInput,
+    }
+}
+
 /// How an error should surface to a caller, Python included.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -36,17 +61,7 @@ impl Error {
         match self {
             Error::Bind { .. } | Error::Connect { .. } => ErrorKind::Connection,
             Error::InvalidConfig(_) => ErrorKind::InvalidInput,
-            Error::Rpc(status) => match status.code() {
-                Code::DeadlineExceeded => ErrorKind::Timeout,
-                Code::Unavailable | Code::Aborted | Code::Cancelled => ErrorKind::Connection,
-                Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Permission,
-                Code::InvalidArgument
-                | Code::AlreadyExists
-                | Code::FailedPrecondition
-                | Code::OutOfRange
-                | Code::ResourceExhausted => ErrorKind::InvalidInput,
-                _ => ErrorKind::Other,
-            },
+            Error::Rpc(status) => rpc_kind(status.code()),
         }
     }
 
@@ -56,5 +71,22 @@ impl Error {
             Error::Rpc(status) if !status.message().is_empty() => status.message().to_string(),
             other => other.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_code_surfaces_as_a_documented_kind() {
+        let codes = (0..=16).map(Code::from_i32).collect::<Vec<_>>();
+        assert_eq!(codes.len(), 17);
+        for code in codes {
+            let kind = Error::Rpc(Status::new(code, "x")).kind();
+            assert_ne!(kind, ErrorKind::Other, "{code:?}");
+        }
+        let broken = Error::Rpc(Status::unknown("transport error"));
+        assert_eq!(broken.kind(), ErrorKind::Connection);
     }
 }
