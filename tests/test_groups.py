@@ -209,3 +209,28 @@ def test_a_live_group_that_never_asks_again_holds_the_job_back_for_a_bounded_tim
         assert 8 * JOIN_TIMEOUT < waited < 10 * JOIN_TIMEOUT + 5.0, waited
         status = phalanx.LighthouseClient(lighthouse.address).status(timeout=2.0)
         assert "w" in {r.replica_id for r in status.replicas if r.connected}
+
+
+def test_a_second_group_with_a_live_groups_replica_id_is_refused_and_the_first_goes_on(
+    lighthouse, start_group
+):
+    original = start_group("dup", lighthouse.address)
+    original.expect(lambda line: is_step(line, ["dup"]), 30, "the original trains")
+    impostor = start_group("dup", lighthouse.address)
+    # Its first quorum request is refused with the clash named; it exits non-zero.
+    assert impostor.proc.wait(timeout=30) != 0
+    clash = "\n".join(impostor.stderr)
+    assert "ValueError" in clash and "already live" in clash and "--replica-id" in clash, clash
+    started = impostor.lines[0]["read_at"]
+    # The original never noticed: every step since committed, ids unchanged.
+    settled = time.time() + 0.5
+    later = original.expect(
+        lambda line: is_step(line, ["dup"]) and line["quorum_at"] > settled,
+        30,
+        "the original goes on",
+    )
+    since = [
+        line for line in original.lines if line.get("event") == "step" and line["t"] > started
+    ]
+    assert since and all(line["committed"] for line in since), since
+    assert {line["quorum_id"] for line in since} == {later["quorum_id"]}

@@ -612,6 +612,11 @@ class Manager:
         started = time.monotonic()
         try:
             quorum = self._quorum_future.result()
+        except ValueError as e:
+            # Refused as asked (another live group has this replica id, a setting out
+            # of range): asking again cannot help, so the training loop hears of it.
+            self._quorum = None
+            raise ValueError(f"replica group {self.replica_id!r} cannot join: {e}") from e
         except Exception as e:  # the quorum call's own deadline bounds this wait
             self._fail(f"no quorum: {e}")
             self._quorum = None

@@ -22,6 +22,21 @@ use crate::Error;
 const GRACE: Duration = Duration::from_millis(500);
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
+/// How soon, and at most how long apart, a lighthouse that cannot be reached is
+/// asked again for a quorum.
+const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(500);
+
+/// `base` scaled by a random factor in [0.75, 1.25), so that the groups of a job that
+/// lost their lighthouse do not all ask again at the same instant.
+fn jittered(base: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    base.mul_f64(0.75 + (random % 1000) as f64 / 2000.0)
+}
+
 /// Answers can list thousands of members; far more than requests.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
@@ -139,6 +154,35 @@ impl LighthouseClient {
                 self.address
             )))
         })
+    }
+
+    /// Like [`Self::quorum`], but a lighthouse that cannot be reached (down, or
+    /// restarting) is asked again, with backoff and jitter, until `timeout`: a step
+    /// waits for its quorum instead of failing at once, and a lighthouse back on its
+    /// address is used again within `MAX_RETRY_BACKOFF` of its return.
+    pub async fn quorum_patiently(
+        &self,
+        requester: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Result<proto::Quorum, Error> {
+        let deadline = Instant::now() + timeout;
+        let mut backoff = MIN_RETRY_BACKOFF;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let result = self.quorum(requester.clone(), last_quorum_id, left).await;
+            let unreachable = match &result {
+                Err(Error::Connect { .. }) => true,
+                Err(Error::Rpc(status)) => status.code() == Code::Unavailable,
+                _ => false,
+            };
+            let pause = jittered(backoff);
+            if !unreachable || Instant::now() + pause >= deadline {
+                return result;
+            }
+            tokio::time::sleep(pause).await;
+            backoff = (backoff * 2).min(MAX_RETRY_BACKOFF);
+        }
     }
 
     /// Like [`Self::quorum`], but leaves the answer encoded.
@@ -268,6 +312,7 @@ impl InFlight {
 pub async fn keep_heartbeat(
     client: LighthouseClient,
     replica_id: String,
+    manager_address: String,
     interval: Duration,
     progress: watch::Receiver<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
@@ -282,6 +327,7 @@ pub async fn keep_heartbeat(
         let beat = move |p: Progress, seq: u64| proto::Beat {
             protocol_version: PROTOCOL_VERSION,
             replica_id: String::new(),
+            manager_address: String::new(),
             last_quorum_id: p.last_quorum_id,
             step: p.step,
             seq,
@@ -289,6 +335,7 @@ pub async fn keep_heartbeat(
         in_flight.sent(1, Instant::now());
         let _ = beats_tx.try_send(proto::Beat {
             replica_id: replica_id.clone(),
+            manager_address: manager_address.clone(),
             ..beat(*progress.borrow(), 1)
         });
         let sender = {

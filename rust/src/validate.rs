@@ -72,6 +72,9 @@ pub fn quorum_id(field: &str, id: u64) -> Result<(), Status> {
 /// A heartbeat beat's numbers.
 pub fn beat(beat: &proto::Beat) -> Result<(), Status> {
     step(beat.step)?;
+    if !beat.manager_address.is_empty() {
+        address("manager address", &beat.manager_address)?;
+    }
     quorum_id("last_quorum_id", beat.last_quorum_id)
 }
 

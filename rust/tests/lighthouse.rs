@@ -76,6 +76,7 @@ fn beat(id: &str) -> proto::Beat {
         last_quorum_id: 0,
         step: 0,
         seq: 0,
+        manager_address: String::new(),
     }
 }
 

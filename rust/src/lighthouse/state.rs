@@ -47,6 +47,8 @@ struct HeartbeatStream {
     id: u64,
     events: mpsc::Sender<Result<proto::LighthouseEvent, Status>>,
     peer: String,
+    /// The group's manager server, as its first beat named it (empty: not named).
+    manager_address: String,
 }
 
 struct Replica {
@@ -134,6 +136,20 @@ impl LighthouseState {
         reply: oneshot::Sender<QuorumReply>,
     ) -> Result<u64, Status> {
         let id = member.replica_id.clone();
+        // Checked before anything is recorded: an impostor's request must not count
+        // as a sign of life of the group whose id it took.
+        if let Some((peer, manager)) = self.live_stream(&id, now).and_then(|s| {
+            let named = !s.manager_address.is_empty() && !member.manager_address.is_empty();
+            (named && s.manager_address != member.manager_address)
+                .then(|| (s.peer.clone(), s.manager_address.clone()))
+        }) {
+            return Err(Status::already_exists(format!(
+                "replica id {id:?} is already live: its manager server at {manager} \
+                 heartbeats from {peer}, and this request comes from manager {}; give this \
+                 group another --replica-id, or stop the other process",
+                member.manager_address
+            )));
+        }
         if let Some(other) = self.joiners.get(&id) {
             if other.member.manager_address != member.manager_address {
                 return Err(Status::already_exists(format!(
@@ -196,6 +212,14 @@ impl LighthouseState {
         }
     }
 
+    /// The heartbeat stream of `replica_id`, if it beat within the heartbeat timeout.
+    fn live_stream(&self, replica_id: &str, now: Instant) -> Option<&HeartbeatStream> {
+        self.replicas
+            .get(replica_id)
+            .filter(|r| now.saturating_duration_since(r.pulse.last_beat()) < self.heartbeat_timeout)
+            .and_then(|r| r.stream.as_ref())
+    }
+
     fn new_pulse(&self, now: Instant, step: i64) -> Arc<Pulse> {
         Arc::new(Pulse::new(self.epoch, now, step, self.heard.clone()))
     }
@@ -214,12 +238,7 @@ impl LighthouseState {
         now: Instant,
     ) -> Result<(u64, Arc<Pulse>), Status> {
         let id = &beat.replica_id;
-        if let Some(HeartbeatStream { peer: other, .. }) = self
-            .replicas
-            .get(id)
-            .filter(|r| now.saturating_duration_since(r.pulse.last_beat()) < self.heartbeat_timeout)
-            .and_then(|r| r.stream.as_ref())
-        {
+        if let Some(HeartbeatStream { peer: other, .. }) = self.live_stream(id, now) {
             return Err(Status::already_exists(format!(
                 "replica id {id:?} is already live, heartbeating from {other}; give this group \
                  another --replica-id, or stop the other process (a dead one is forgotten \
@@ -250,6 +269,7 @@ impl LighthouseState {
                     id: stream_id,
                     events,
                     peer,
+                    manager_address: beat.manager_address.clone(),
                 }),
             },
         );
@@ -616,6 +636,40 @@ mod tests {
         assert_eq!(expired, [("b".to_string(), Eviction::HeartbeatTimeout)]);
         assert_eq!(s.live_replicas(), 1);
         assert_eq!(s.next_wakeup(), Some(t + Duration::from_millis(3900)));
+    }
+
+    #[test]
+    fn a_quorum_request_under_a_live_groups_id_from_another_manager_is_refused_unrecorded() {
+        let t = Instant::now();
+        let mut s = state();
+        let (tx, _rx) = mpsc::channel(4);
+        let first = proto::Beat {
+            manager_address: "10.0.0.1:7000".into(),
+            ..beat("dup")
+        };
+        let (_, pulse) = s
+            .open_stream(&first, "10.0.0.1:5000".into(), tx, t)
+            .unwrap();
+        let impostor = quorum::Member {
+            manager_address: "10.0.0.2:7000".into(),
+            ..member("dup")
+        };
+        let later = t + Duration::from_millis(1500);
+        let (reply, _answer) = oneshot::channel();
+        let err = s.join(impostor, 0, later, reply).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::AlreadyExists);
+        assert!(err.message().contains("10.0.0.1:7000"), "{}", err.message());
+        assert!(err.message().contains("--replica-id"), "{}", err.message());
+        // Not a sign of life of the real group, nor a request to join.
+        assert_eq!(pulse.last_beat(), t);
+        assert!(s.joiners.is_empty());
+        // The real group's own request goes through.
+        let real = quorum::Member {
+            manager_address: "10.0.0.1:7000".into(),
+            ..member("dup")
+        };
+        let (reply, _answer) = oneshot::channel();
+        assert!(s.join(real, 0, later, reply).is_ok());
     }
 
     #[test]

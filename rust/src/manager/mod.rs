@@ -245,7 +245,7 @@ impl Shared {
         };
         let result = self
             .lighthouse
-            .quorum(member, last_quorum_id, timeout)
+            .quorum_patiently(member, last_quorum_id, timeout)
             .await;
         let quorum = match result {
             Ok(q) => q,
@@ -580,6 +580,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let heartbeat = keep_heartbeat(
         lighthouse,
         options.replica_id.clone(),
+        manager_address.clone(),
         options.heartbeat_interval,
         progress_rx,
         events,
