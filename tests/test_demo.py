@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -142,3 +143,38 @@ def test_steps_begun_after_the_end_do_not_count():
     steps = [record("a", 1, 0, 0.0), record("a", 1, 1, 5.0, committed=False)]
     report = analyze(steps, [], replicas=1, started=0.0, ended=4.0)
     assert report["steps_attempted"] == 1 and report["step_efficiency"] == 1.0
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 150 kB file system: the demo's logs fill it within seconds."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150k", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_costs_the_demo_its_files_not_its_training(tiny_disk):
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--duration", "20", "--kill-every", "0"]
+        + ["--replicas", "2", "--out", str(tiny_disk)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    # Each file that did not fit is reported once; the summary still reaches the terminal.
+    warnings = [line for line in out.splitlines() if "warning: cannot write" in line]
+    assert warnings, out[-3000:]
+    assert len(warnings) == len({w.split("cannot write ")[1].split(" ")[0] for w in warnings})
+    assert "committed" in out and "bit-identical" in out, out[-3000:]

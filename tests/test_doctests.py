@@ -18,6 +18,7 @@ MODULES = [
     "phalanx.forkserver",
     "phalanx.demo.model",
     "phalanx.demo.report",
+    "phalanx.demo.job",
 ]
 
 

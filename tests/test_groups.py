@@ -10,6 +10,8 @@ import re
 import signal
 import time
 
+import pytest
+
 import phalanx
 
 from conftest import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, http_get, is_step, wait_until
@@ -229,8 +231,21 @@ def test_a_second_group_with_a_live_groups_replica_id_is_refused_and_the_first_g
         30,
         "the original goes on",
     )
-    since = [
-        line for line in original.lines if line.get("event") == "step" and line["t"] > started
-    ]
+    since = [line for line in original.lines if line.get("event") == "step" and line["t"] > started]
     assert since and all(line["committed"] for line in since), since
     assert {line["quorum_id"] for line in since} == {later["quorum_id"]}
+
+
+def test_one_request_with_a_huge_quorum_id_cannot_stop_a_live_job(lighthouse, start_group):
+    # I3, I9: a request claiming the last id of the u64 range is refused; it must not
+    # make the ids wrap (a wrapped id reuses the store prefix of quorum 0 for good).
+    a, b, c = groups = [start_group(name, lighthouse.address) for name in ABC]
+    before = steady(groups, ABC)[0]["quorum_id"]
+    ghost = phalanx.LighthouseClient(lighthouse.address)
+    for claimed in (2**63 - 1, 2**53 + 1):
+        with pytest.raises(ValueError, match="last_quorum_id"):
+            ghost.quorum("ghost", timeout=0.001, last_quorum_id=claimed)
+
+    c.signal(signal.SIGKILL)
+    after = steady([a, b], ["a", "b"])
+    assert all(before < line["quorum_id"] < 2**53 for line in after), after

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 import phalanx
-from test_transaction import assert_bit_identical
+from test_transaction import PHALANX_WORDS, assert_bit_identical
 
 from conftest import TESTS, Child, free_port
 
@@ -175,3 +175,24 @@ def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, l
     c.expect(lambda line: line.get("committed") and line["after"] > PAUSE_AT + 3, 60, "c heals")
     finish([a, b, c])
     assert assert_bit_identical([a, b, c]) >= STEPS - PAUSE_AT - 5
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_all_reduce_is_named_in_the_survivors_failure(spawn, lighthouse):
+    # c holds its training thread with the all-reduce in flight, so a and b wait in it
+    # for c; then c is SIGKILLed. Their connections to c break a moment before the
+    # lighthouse names the dead group: the failure must say "c died", not gloo's text.
+    a = start_rank(spawn, lighthouse.address, "a")
+    b = start_rank(spawn, lighthouse.address, "b")
+    c = start_rank(spawn, lighthouse.address, "c", "--hold-at", str(PAUSE_AT))
+    c.expect(lambda line: line.get("event") == "holding", 60, "c holds its step")
+    c.signal(signal.SIGKILL)
+    for survivor in (a, b):
+        failed = survivor.expect(
+            lambda line: line.get("event") == "step" and not line["committed"],
+            30,
+            f"{survivor.name}'s step fails",
+        )
+        assert failed["step"] == PAUSE_AT, failed
+        assert failed["failure"].startswith(PHALANX_WORDS), failed
+        assert "c died" in failed["failure"], failed

@@ -21,6 +21,14 @@ from conftest import TESTS, Child, free_port
 
 TRAIN = TESTS / "ft_train.py"
 STEPS = 150
+#: How a failed step's reason begins: phalanx's own words, never a backend's raw text.
+PHALANX_WORDS = (
+    "replica group(s) ",
+    "quorum ",
+    "the all-reduce of quorum ",
+    "no quorum: ",
+    "a rank voted no",
+)
 
 
 @pytest.fixture
@@ -104,6 +112,12 @@ def test_three_groups_train_through_a_kill_and_the_restarted_group_heals(spawn, 
     assert assert_bit_identical([groups["a"], groups["b"], groups["c"], restarted]) >= STEPS - 5
     pids = {line["pid"] for line in groups["a"].lines if line.get("event") == "ready"}
     assert len(pids) == 1
+    # A step the kill failed says why in phalanx's words (the kill may also fall
+    # between two steps, failing none).
+    for name in "ab":
+        for line in groups[name].lines:
+            if line.get("event") == "step" and line["failure"]:
+                assert line["failure"].startswith(PHALANX_WORDS), line
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from phalanx.ddp import DistributedDataParallel
     from phalanx.diloco import DiLoCo, LocalSGD
     from phalanx.hsdp import fully_shard_hsdp
-    from phalanx.manager import Manager
+    from phalanx.manager import LighthouseUnreachableError, Manager
     from phalanx.optim import Optimizer
 
 _LAZY = {
@@ -50,6 +50,7 @@ _LAZY = {
     "DiLoCo": "phalanx.diloco",
     "LocalSGD": "phalanx.diloco",
     "fully_shard_hsdp": "phalanx.hsdp",
+    "LighthouseUnreachableError": "phalanx.manager",
 }
 
 
@@ -71,6 +72,7 @@ __all__ = [
     "LighthouseClient",
     "LighthouseServer",
     "LighthouseStatus",
+    "LighthouseUnreachableError",
     "ManagerClient",
     "ManagerServer",
     "Member",

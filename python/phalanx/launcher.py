@@ -311,10 +311,32 @@ class Launcher:
                     group.given_up = True
                     self.say(f"{group.replica_id} gave up after {group.restarts} restart(s)")
                     continue
+                if not self.lighthouse_reachable():
+                    group.given_up = True
+                    self.say(
+                        f"not restarting {group.replica_id}: the lighthouse at "
+                        f"{self.lighthouse} cannot be reached; start it again, then this job"
+                    )
+                    continue
                 backoff = min(10.0, self.args.restart_backoff * 2**group.restarts)
                 group.restarts += 1
                 group.restart_at = now + backoff
                 self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
+
+    def lighthouse_reachable(self) -> bool:
+        """Whether the job's lighthouse answers (the embedded one always does): a
+        group that failed because it lost its lighthouse is not restarted into the
+        same void."""
+        if self.lighthouse_server is not None:
+            return True
+        client = _core.LighthouseClient(self.lighthouse, token=self.args.token, connect_timeout=2.0)
+        try:
+            client.status(timeout=2.0)
+        except (ConnectionError, TimeoutError):
+            return False
+        except PermissionError:
+            pass  # it answers; the token is the ranks' business
+        return True
 
     def inject(self, now: float) -> None:
         """Injects the failures that are due; the clock starts once the job trains."""

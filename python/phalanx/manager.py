@@ -50,6 +50,11 @@ from phalanx.process_group import (
 
 log = logging.getLogger("phalanx.manager")
 
+#: How long a collective that failed on its own (a peer's connection broke) waits for
+#: the lighthouse to say which group died, for the failure message: a crash is known
+#: to the survivors in tens of milliseconds.
+EXPLAIN_WAIT_S = 0.25
+
 #: Where group rank 0 publishes its manager server, per replica id: a rank that
 #: reaches another group's store (two groups given one MASTER_PORT) finds no key of
 #: its own group there and says so, instead of joining the other group.
@@ -64,8 +69,12 @@ class Timeouts:
     it asks for the next quorum, so the quorum deadline must cover them; anything else
     would make groups give up on each other while both are alive.
 
+    `lighthouse` is how long a rank goes on asking without reaching any lighthouse
+    before it gives up (LighthouseUnreachableError): long enough for a lighthouse to
+    be restarted, short enough that a job that lost it for good ends.
+
     >>> Timeouts.from_budget(30.0)
-    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0)
+    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0)
     >>> Timeouts.from_budget(30.0, collective=60.0)
     Traceback (most recent call last):
     ...
@@ -76,6 +85,7 @@ class Timeouts:
     collective: float
     commit: float
     heal: float
+    lighthouse: float = 300.0
 
     @classmethod
     def from_budget(
@@ -86,12 +96,14 @@ class Timeouts:
         collective: float | None = None,
         commit: float | None = None,
         heal: float | None = None,
+        lighthouse: float | None = None,
     ) -> Timeouts:
         timeouts = cls(
             quorum=quorum if quorum is not None else timeout,
             collective=collective if collective is not None else timeout / 2,
             commit=commit if commit is not None else timeout / 2,
             heal=heal if heal is not None else timeout,
+            lighthouse=lighthouse if lighthouse is not None else max(300.0, 10 * timeout),
         )
         timeouts.validate()
         return timeouts
@@ -100,6 +112,12 @@ class Timeouts:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"the {name} timeout must be a positive number of seconds")
+        if self.lighthouse < self.quorum:
+            raise ValueError(
+                f"the lighthouse timeout ({self.lighthouse} s) is shorter than the quorum "
+                f"timeout ({self.quorum} s): a rank would give up on its lighthouse before "
+                "one quorum request could have run out. Raise the lighthouse timeout"
+            )
         for phase in ("collective", "commit"):
             if self.quorum < getattr(self, phase):
                 raise ValueError(
@@ -108,6 +126,11 @@ class Timeouts:
                     "would be given up on by its peers. Raise the quorum timeout or lower "
                     f"the {phase} timeout"
                 )
+
+
+class LighthouseUnreachableError(ConnectionError):
+    """No lighthouse answered for longer than the lighthouse timeout: the rank gives
+    up rather than run steps that can never commit."""
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -168,7 +191,7 @@ class Handle:
         try:
             self._pending.wait()
         except CollectiveFailed as e:
-            self._manager._fail(str(e))
+            self._manager._fail(self._manager._explain(e))
             return False
         finally:
             self._manager.last_step.allreduce_s += time.monotonic() - started
@@ -207,14 +230,20 @@ class Manager:
         collective_timeout: float | None = None,
         commit_timeout: float | None = None,
         heal_timeout: float | None = None,
+        lighthouse_timeout: float | None = None,
     ):
+        if lighthouse_timeout is None and _env("PHALANX_LIGHTHOUSE_TIMEOUT"):
+            lighthouse_timeout = float(_env("PHALANX_LIGHTHOUSE_TIMEOUT") or 0)
         self.timeouts = Timeouts.from_budget(
             timeout,
             quorum=quorum_timeout,
             collective=collective_timeout,
             commit=commit_timeout,
             heal=heal_timeout,
+            lighthouse=lighthouse_timeout,
         )
+        #: Since when no quorum request reached a lighthouse (None: the last one did).
+        self._unreachable_since: float | None = None
         self.replica_id = replica_id or _env("PHALANX_REPLICA_ID")
         lighthouse = lighthouse or _env("PHALANX_LIGHTHOUSE")
         if not self.replica_id:
@@ -386,7 +415,7 @@ class Manager:
         try:
             pending = self._pg.allreduce(tensor, self._abort)
         except CollectiveFailed as e:
-            self._fail(str(e))
+            self._fail(self._explain(e))
             return self._remember(Handle(self, None, tensor, 1, then))
         divisor = self.num_participants() if average else 1
         return self._remember(Handle(self, pending, tensor, divisor, then))
@@ -561,6 +590,25 @@ class Manager:
             self._failure = reason
         log.warning("step %d failed: %s", self._step, reason)
 
+    def _note_unreachable(self, error: Exception) -> None:
+        """Counts how long no lighthouse was reached; past the lighthouse timeout the
+        rank gives up. A request that reached one and timed out waiting for its peers
+        is not a lost lighthouse."""
+        if not isinstance(error, ConnectionError):
+            self._unreachable_since = None
+            return
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = now - self.timeouts.quorum
+        lost_for = now - self._unreachable_since
+        if lost_for > self.timeouts.lighthouse:
+            raise LighthouseUnreachableError(
+                f"replica group {self.replica_id!r} reached no lighthouse for {lost_for:.0f} s "
+                f"(last error: {error}). Start the lighthouse again on its address (the job "
+                "resumes from where it was), or fix PHALANX_LIGHTHOUSE / --lighthouse; raise "
+                "lighthouse_timeout= (PHALANX_LIGHTHOUSE_TIMEOUT) to wait longer"
+            ) from error
+
     def _vote(self, vote: bool, quorum: _core.QuorumResult | None) -> tuple[bool, bool]:
         """Casts this rank's vote; returns the group's (commit, torn). A vote whose
         answer was lost is cast again: the manager server answers a step it decided
@@ -581,6 +629,21 @@ class Manager:
                     raise
                 log.warning("commit vote of step %d: %s; voting again", self._step, e)
         raise AssertionError("unreachable")
+
+    def _explain(self, failure: CollectiveFailed) -> str:
+        """Why a collective failed, in phalanx's words. A peer's crash breaks its
+        connections a moment before the lighthouse says who died: wait that moment for
+        the lighthouse's word, else name the quorum and keep the backend's first line."""
+        if not failure.from_backend:
+            return str(failure)
+        told = threading.Event()
+        if self._abort.wake_on_abort(told) or told.wait(EXPLAIN_WAIT_S):
+            return self._abort.reason or str(failure)
+        detail = str(failure.__cause__ or failure).strip().splitlines()[0][:160]
+        return (
+            f"the all-reduce of quorum {self.quorum_id} failed: a replica group in it is "
+            f"gone or unreachable ({detail})"
+        )
 
     def _tear(self) -> None:
         """The group's heal failed on some rank: every rank treats its state as torn,
@@ -618,11 +681,13 @@ class Manager:
             self._quorum = None
             raise ValueError(f"replica group {self.replica_id!r} cannot join: {e}") from e
         except Exception as e:  # the quorum call's own deadline bounds this wait
+            self._note_unreachable(e)
             self._fail(f"no quorum: {e}")
             self._quorum = None
             return None
         finally:
             self.last_step.quorum_s = time.monotonic() - started
+        self._unreachable_since = None
         self._quorum = quorum
         self.last_step.quorum_id = quorum.quorum_id
         with self._membership_lock:

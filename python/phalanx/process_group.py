@@ -75,7 +75,12 @@ def _connect(
 
 
 class CollectiveFailed(Exception):
-    """A collective did not complete: a peer died, timed out, or the step was aborted."""
+    """A collective did not complete: a peer died, timed out, or the step was aborted.
+    `from_backend` is true when the backend (gloo, NCCL) itself reported the failure."""
+
+    def __init__(self, message: str, from_backend: bool = False):
+        super().__init__(message)
+        self.from_backend = from_backend
 
 
 class FaultTolerantProcessGroup:
@@ -139,7 +144,7 @@ class FaultTolerantProcessGroup:
             options.reduceOp = dist.ReduceOp.SUM
             work = self._group.allreduce([tensor], options)
         except RuntimeError as e:
-            raise CollectiveFailed(f"all-reduce could not start: {e}") from e
+            raise CollectiveFailed(f"all-reduce could not start: {e}", from_backend=True) from e
         return Pending(work, abort, self._timeout.total_seconds())
 
 
@@ -228,4 +233,6 @@ class Pending:
             reason = self._abort.reason or "aborted: a replica group of the quorum died"
             raise CollectiveFailed(reason)
         if self._error is not None:
-            raise CollectiveFailed(f"all-reduce failed: {self._error}") from self._error
+            raise CollectiveFailed(
+                f"all-reduce failed: {self._error}", from_backend=True
+            ) from self._error

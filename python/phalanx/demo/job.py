@@ -13,11 +13,13 @@ the run printed the first such steps, and report.json lists them in `split_steps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
@@ -28,6 +30,61 @@ STARTUP_TIMEOUT = 180.0
 
 #: The exit status of a run whose replicas committed one step with different states.
 EXIT_DIVERGED = 3
+
+
+class LogFile:
+    """A file the demo logs to that can never take the job down: the first write
+    that fails (a full disk, a removed folder) is reported once through `warn`, and
+    the file is given up; training and the other files go on.
+
+    >>> warnings = []
+    >>> log = LogFile(Path("/dev/full"), warnings.append)
+    >>> log.write("x" * 100_000)
+    >>> len(warnings), "No space left on device" in warnings[0]
+    (1, True)
+    >>> log.write("more"); log.close(); len(warnings)
+    1
+    """
+
+    def __init__(self, path: Path, warn: Callable[[str], None]):
+        self.path = path
+        self._warn = warn
+        self._file: TextIO | None = None
+        try:
+            self._file = path.open("w")
+        except OSError as e:
+            self._give_up(e)
+
+    def write(self, text: str) -> None:
+        if self._file is not None:
+            try:
+                self._file.write(text)
+            except OSError as e:
+                self._give_up(e)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as e:
+                self._give_up(e)
+
+    def _give_up(self, error: OSError) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()  # what is buffered is lost with the file
+            self._file = None
+        self._warn(f"cannot write {self.path} ({error.strerror or error}); going on without it")
+
+
+def save(path: Path, write: Callable[[Path], object], warn: Callable[[str], None]) -> bool:
+    """Writes one of the report's files; a failure is reported, never raised."""
+    try:
+        write(path)
+        return True
+    except OSError as e:
+        warn(f"cannot write {path} ({e.strerror or e}); skipped")
+        return False
 
 
 class DemoJob(launcher.Launcher):
@@ -41,13 +98,16 @@ class DemoJob(launcher.Launcher):
         self.steps: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.started = time.time()
-        self._step_log = (out / "steps.jsonl").open("w")
-        self._rank_log = (out / "ranks.log").open("w")
+        self._step_log = LogFile(out / "steps.jsonl", self.warn)
+        self._rank_log = LogFile(out / "ranks.log", self.warn)
         self._ever_started: set[str] = set()
         self._recovering: dict[str, float] = {}
         self._latest: dict[str, dict[str, Any]] = {}
         self._committed = 0
         self._failures = 0
+
+    def warn(self, text: str) -> None:
+        self.progress.event(f"warning: {text}")
 
     def say(self, text: str) -> None:
         self._rank_log.write(f"[phalanx run] {text}\n")
@@ -233,10 +293,15 @@ def main(argv: list[str]) -> int:
         "sync_every": args.sync_every if args.strategy == "diloco" else None,
         "train_args": train,
     }
-    (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in job.events))
-    plot(job.steps, job.events, job.started, str(args.out / "report.png"))
+    # The summary reaches the terminal whatever the disk allows.
     print(summary_table(report))
+    warn = job.warn
+    save(
+        args.out / "report.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n"), warn
+    )
+    events = "".join(json.dumps(e) + "\n" for e in job.events)
+    save(args.out / "events.jsonl", lambda p: p.write_text(events), warn)
+    save(args.out / "report.png", lambda p: plot(job.steps, job.events, job.started, str(p)), warn)
     print(
         f"report: {args.out / 'report.json'}, {args.out / 'report.png'}; step log: "
         f"{args.out / 'steps.jsonl'}; rank output: {args.out / 'ranks.log'}"
