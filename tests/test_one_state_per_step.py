@@ -9,7 +9,6 @@ its peers have gone on without it, and only then wakes it.
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable
 
@@ -17,10 +16,10 @@ import pytest
 
 import phalanx
 from test_transaction import PHALANX_WORDS, assert_bit_identical
+from test_transaction import start_rank as start_transaction_rank
 
-from conftest import TESTS, Child, free_port
+from conftest import Child, free_port
 
-TRAIN = TESTS / "ft_train.py"
 HEARTBEAT_TIMEOUT = 1.0
 PAUSE_AT = 6
 STEPS = 30
@@ -34,25 +33,8 @@ def lighthouse():
         yield server
 
 
-def start_rank(
-    spawn: Callable[..., Child],
-    lighthouse: str,
-    replica_id: str,
-    *options: str,
-    rank: int = 0,
-    world_size: int = 1,
-    port: int = 0,
-) -> Child:
-    env = {
-        "PHALANX_REPLICA_ID": replica_id,
-        "PHALANX_LIGHTHOUSE": lighthouse,
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-    argv = [sys.executable, str(TRAIN), "--steps", str(STEPS), "--timeout", "10", *options]
-    return spawn(f"{replica_id}/{rank}", argv, env)
+def start_rank(spawn: Callable[..., Child], lighthouse: str, replica_id: str, *options, **kw):
+    return start_transaction_rank(spawn, lighthouse, replica_id, *options, steps=STEPS, **kw)
 
 
 def finish(children: list[Child]) -> None:
@@ -132,10 +114,10 @@ def test_a_heal_that_fails_on_one_rank_makes_the_whole_group_heal_again(spawn, l
     assert failed["torn"], failed
     # The vote carried the outcome: rank 0 too holds a torn state at its old step,
     # so both ask for the same step, heal together and go on.
-    attempt = next(
-        line
-        for line in b[0].lines
-        if line.get("event") == "step" and line["step"] == failed["step"]
+    attempt = b[0].expect(
+        lambda line: line.get("event") == "step" and line["step"] == failed["step"],
+        30,
+        "rank 0's end of the same step",
     )
     assert attempt["torn"] and not attempt["committed"], attempt
     for rank in b:

@@ -43,11 +43,13 @@ def start_rank(
     spawn: Callable[..., Child],
     lighthouse: str,
     replica_id: str,
+    *options: str,
     rank: int = 0,
     world_size: int = 1,
     port: int = 0,
     steps: int = STEPS,
 ) -> Child:
+    """Starts tests/ft_train.py as rank `rank` of group `replica_id`, with `options`."""
     env = {
         "PHALANX_REPLICA_ID": replica_id,
         "PHALANX_LIGHTHOUSE": lighthouse,
@@ -56,7 +58,7 @@ def start_rank(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
-    argv = [sys.executable, str(TRAIN), "--steps", str(steps), "--timeout", "10"]
+    argv = [sys.executable, str(TRAIN), "--steps", str(steps), "--timeout", "10", *options]
     return spawn(f"{replica_id}/{rank}", argv, env)
 
 
@@ -126,7 +128,8 @@ def test_two_groups_of_two_ranks_survive_a_group_kill(spawn, lighthouse):
 
     def group(name: str) -> list[Child]:
         return [
-            start_rank(spawn, lighthouse.address, name, rank, 2, ports[name]) for rank in (0, 1)
+            start_rank(spawn, lighthouse.address, name, rank=rank, world_size=2, port=ports[name])
+            for rank in (0, 1)
         ]
 
     a, b = group("a"), group("b")
@@ -149,7 +152,10 @@ def test_two_groups_of_two_ranks_survive_a_group_kill(spawn, lighthouse):
 
 def test_a_group_whose_rank_dies_never_commits_the_step(spawn, lighthouse):
     port = free_port()
-    ranks = [start_rank(spawn, lighthouse.address, "solo", r, 2, port, 1000) for r in (0, 1)]
+    ranks = [
+        start_rank(spawn, lighthouse.address, "solo", rank=r, world_size=2, port=port, steps=1000)
+        for r in (0, 1)
+    ]
     ranks[0].expect(lambda line: line.get("after", 0) >= 3, 60, "the group commits steps")
     ranks[1].signal(signal.SIGKILL)
     killed_at = time.time()
