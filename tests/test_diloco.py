@@ -457,7 +457,7 @@ def test_a_group_killed_during_local_steps_heals_at_the_next_sync(spawn, lightho
 
 
 @pytest.mark.slow
-def test_a_group_killed_during_a_streaming_sync_discards_it_and_heals(spawn, lighthouse):
+def test_a_group_killed_during_a_streaming_sync_is_healed(spawn, lighthouse):
     # Two fragments, one syncing every 4 steps; each sync's int8 all-reduce runs
     # during the next 3 inner steps, so a sync is in flight most of the time.
     flags = ("--sync-every", "8", "--fragments", "2", "--overlap-steps", "3")
@@ -473,7 +473,10 @@ def test_a_group_killed_during_a_streaming_sync_discards_it_and_heals(spawn, lig
         30,
         "a ends the sync that was in flight",
     )
-    assert not in_flight["committed"], "a sync in flight at a group's death is discarded"
+    # The sync in flight at the death is discarded, unless its all-reduce had already
+    # summed both groups' parts (then it stands, with both counted).
+    if in_flight["committed"]:
+        assert in_flight["participants"] == 2, in_flight
     alone = a.expect(is_committed_sync, 30, "a syncs alone")
     assert alone["participants"] == 1
 

@@ -15,7 +15,7 @@
 //! - otherwise (the job's first quorum, or a live previous member is late) wait up
 //!   to `join_timeout` after the first request of the round;
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
-//!   timeouts after the first request of the round (10 s by default), then no longer:
+//!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
 //! - the quorum id moves up whenever the membership changes or a member reports
 //!   commit failures, and is never reused: it starts above every id any caller
@@ -104,6 +104,9 @@ pub struct Round<'a> {
     pub joiners: &'a BTreeMap<ReplicaId, Joiner>,
     pub live: &'a dyn LiveSet,
     pub previous: Option<&'a Quorum>,
+    /// When `previous` was issued: its live members that have not asked again since
+    /// count toward the majority for a bounded time from then.
+    pub previous_at: Option<Instant>,
     /// The highest quorum id heard from anyone (requests and heartbeats).
     pub highest_seen_id: QuorumId,
     pub config: &'a QuorumConfig,
@@ -225,8 +228,8 @@ impl fmt::Display for WaitReason {
     }
 }
 
-/// How long, in join timeouts from the start of a round, a live member of the previous
-/// quorum that has not asked again still counts toward the majority.
+/// How long, in join timeouts from the issue of the previous quorum, a live member of
+/// it that has not asked again still counts toward the majority.
 pub const LATE_MEMBER_JOIN_TIMEOUTS: u32 = 10;
 
 /// Decides the next quorum. See the module documentation for the rules.
@@ -235,6 +238,7 @@ pub fn decide(round: &Round<'_>) -> Decision {
         joiners,
         live,
         previous,
+        previous_at,
         highest_seen_id,
         config,
         now,
@@ -274,8 +278,11 @@ pub fn decide(round: &Round<'_>) -> Decision {
         }
     }
     // A late member counts toward the majority for a bounded time only: one that never
-    // asks again (wedged, or dead without anyone noticing) must not stop the job.
-    let late_expiry = first_join + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
+    // asks again (wedged, or dead without anyone noticing) must not stop the job. The
+    // time counts from the previous quorum, not from this round: the others' requests
+    // time out and come again, and each would start the clock anew.
+    let late_expiry =
+        previous_at.unwrap_or(first_join) + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
     let counted_late = if now < late_expiry { late.len() } else { 0 };
     let relevant = counted_late + joined.len();
 
@@ -389,6 +396,7 @@ mod tests {
         joiners: BTreeMap<ReplicaId, Joiner>,
         live: BTreeSet<ReplicaId>,
         previous: Option<Quorum>,
+        previous_at: Option<Instant>,
         config: QuorumConfig,
     }
 
@@ -399,6 +407,7 @@ mod tests {
                 joiners: BTreeMap::new(),
                 live: live.iter().map(|s| s.to_string()).collect(),
                 previous: None,
+                previous_at: None,
                 config: QuorumConfig {
                     min_replicas: 1,
                     join_timeout: Duration::from_secs(1),
@@ -427,6 +436,7 @@ mod tests {
                 joiners: &self.joiners,
                 live: &self.live,
                 previous: self.previous.as_ref(),
+                previous_at: self.previous_at,
                 highest_seen_id: 0,
                 config: &self.config,
                 now: self.t0 + Duration::from_millis(ms),
@@ -438,6 +448,7 @@ mod tests {
             match self.decide_at(ms) {
                 Decision::Issue(q) => {
                     self.previous = Some(q.clone());
+                    self.previous_at = Some(self.t0 + Duration::from_millis(ms));
                     self.joiners.clear();
                     q
                 }
@@ -580,7 +591,7 @@ mod tests {
         s.issue_at(0);
         s.join_at("a", 100);
         // b and c live but do not ask: they still count toward the majority...
-        let expiry = 100 + u64::from(LATE_MEMBER_JOIN_TIMEOUTS) * 1000;
+        let expiry = u64::from(LATE_MEMBER_JOIN_TIMEOUTS) * 1000;
         assert_eq!(
             s.decide_at(5000),
             Decision::Wait {
@@ -591,10 +602,14 @@ mod tests {
                 },
             }
         );
-        // ...until they have been late for LATE_MEMBER_JOIN_TIMEOUTS join timeouts: a
-        // group that never asks again (wedged) cannot stop the job.
+        // ...until LATE_MEMBER_JOIN_TIMEOUTS join timeouts after the previous quorum,
+        // however often a's own request times out and comes again: a group that never
+        // asks again (wedged) cannot stop the job.
+        // (Its last request still gives them the join timeout to come, as ever.)
+        s.joiners.clear();
+        s.join_at("a", expiry - 500);
         assert!(matches!(s.decide_at(expiry - 1), Decision::Wait { .. }));
-        assert_eq!(ids(&s.issue_at(expiry)), ["a"]);
+        assert_eq!(ids(&s.issue_at(expiry + 500)), ["a"]);
     }
 
     #[test]

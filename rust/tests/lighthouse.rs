@@ -446,8 +446,17 @@ async fn a_restarted_lighthouse_numbers_quorums_above_the_ids_groups_report() {
     assert_eq!(second.local_addr(), addr);
 
     // The new lighthouse knows nothing. Group a reports N, group b (say, freshly
-    // restarted itself) reports 0; the same clients reconnect on their own.
-    let after = answers(vec![ask(&a, member("a", 6), n), ask(&b, member("b", 6), 0)]).await;
+    // restarted itself) reports 0; the same clients reconnect on their own, asking
+    // again as a manager server does when the old connection turns out closed.
+    let patiently = |c: &LighthouseClient, m: proto::Member, last: u64| {
+        let c = c.clone();
+        tokio::spawn(async move { c.quorum_patiently(m, last, CALL_TIMEOUT).await })
+    };
+    let after = answers(vec![
+        patiently(&a, member("a", 6), n),
+        patiently(&b, member("b", 6), 0),
+    ])
+    .await;
     for q in &after {
         assert!(q.quorum_id > n, "id {} after restart, was {n}", q.quorum_id);
     }

@@ -110,6 +110,8 @@ impl Scene {
             joiners,
             live: &self.live,
             previous: self.previous.as_ref(),
+            // The previous quorum was issued at t0, before every request of this round.
+            previous_at: self.previous.as_ref().map(|_| t0),
             highest_seen_id: self.highest_seen_id,
             config: &self.config,
             now: t0 + Duration::from_millis(self.now_ms),
@@ -184,6 +186,7 @@ fn check_issued(
     live: &BTreeSet<ReplicaId>,
     previous: Option<&Quorum>,
     config: &QuorumConfig,
+    previous_at: Option<Instant>,
     now: Instant,
 ) -> Result<(), TestCaseError> {
     for id in q.replica_ids() {
@@ -203,14 +206,15 @@ fn check_issued(
     );
     // The replicas that matter for the majority: live joiners, and live previous
     // members that have not asked, for LATE_MEMBER_JOIN_TIMEOUTS join timeouts from
-    // the round's first request.
+    // the issue of the previous quorum.
     let first_join = joiners
         .values()
         .filter(|j| live.contains(&j.member.replica_id))
         .map(|j| j.joined_at)
         .min()
         .expect("a quorum was issued, so someone joined");
-    let late_count = now < first_join + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
+    let since = previous_at.unwrap_or(first_join);
+    let late_count = now < since + LATE_MEMBER_JOIN_TIMEOUTS * config.join_timeout;
     let relevant: BTreeSet<&str> = previous
         .into_iter()
         .flat_map(Quorum::replica_ids)
@@ -243,7 +247,16 @@ proptest! {
         let joiners = scene.joiners(t0);
         if let Decision::Issue(q) = scene.decide_with(t0, &joiners) {
             let now = t0 + Duration::from_millis(scene.now_ms);
-            check_issued(&q, &joiners, &scene.live, scene.previous.as_ref(), &scene.config, now)?;
+            let previous_at = scene.previous.as_ref().map(|_| t0);
+            check_issued(
+                &q,
+                &joiners,
+                &scene.live,
+                scene.previous.as_ref(),
+                &scene.config,
+                previous_at,
+                now,
+            )?;
         }
     }
 
@@ -391,6 +404,7 @@ struct Lighthouse {
     live: BTreeSet<ReplicaId>,
     joiners: BTreeMap<ReplicaId, Joiner>,
     previous: Option<Quorum>,
+    previous_at: Option<Instant>,
     /// The id of the last quorum each replica was a member of (0: none yet).
     last_in: [QuorumId; NAMES.len()],
     config: QuorumConfig,
@@ -445,6 +459,7 @@ impl Lighthouse {
             joiners: &self.joiners,
             live: &self.live,
             previous: self.previous.as_ref(),
+            previous_at: self.previous_at,
             highest_seen_id,
             config: &self.config,
             now,
@@ -462,6 +477,7 @@ impl Lighthouse {
             &self.live,
             self.previous.as_ref(),
             &self.config,
+            self.previous_at,
             now,
         )?;
 
@@ -493,6 +509,7 @@ impl Lighthouse {
         }
         self.joiners.clear();
         self.previous = Some(q.clone());
+        self.previous_at = Some(now);
         self.issued.push(q);
         Ok(())
     }
@@ -512,6 +529,7 @@ proptest! {
             live: names_in(&live).map(name).collect(),
             joiners: BTreeMap::new(),
             previous: None,
+            previous_at: None,
             last_in: [0; NAMES.len()],
             config: QuorumConfig {
                 min_replicas,
@@ -553,6 +571,7 @@ proptest! {
             joiners: &joiners,
             live: &live,
             previous: None,
+            previous_at: None,
             highest_seen_id: heard,
             config: &config,
             now: Instant::now() + Duration::from_secs(1),

@@ -75,6 +75,8 @@ pub struct LighthouseState {
     joiners: BTreeMap<ReplicaId, Joiner>,
     pending: HashMap<ReplicaId, PendingJoin>,
     previous: Option<Quorum>,
+    /// When `previous` was issued.
+    previous_at: Option<Instant>,
     /// The highest quorum id heard from anyone; heartbeat streams raise it directly.
     heard: Arc<AtomicU64>,
     epoch: Instant,
@@ -117,6 +119,7 @@ impl LighthouseState {
             joiners: BTreeMap::new(),
             pending: HashMap::new(),
             previous: None,
+            previous_at: None,
             heard: Arc::new(AtomicU64::new(0)),
             epoch: Instant::now(),
             quorums_issued: 0,
@@ -378,6 +381,7 @@ impl LighthouseState {
             joiners: &self.joiners,
             live: &live,
             previous: self.previous.as_ref(),
+            previous_at: self.previous_at,
             highest_seen_id: self.highest_seen_id(),
             config: &self.config,
             now,
@@ -436,6 +440,7 @@ impl LighthouseState {
             waited,
         };
         self.previous = Some(quorum);
+        self.previous_at = Some(now);
         // Whoever is left (kept out by shrink_only) starts the next round now.
         for j in self.joiners.values_mut() {
             j.joined_at = now;
