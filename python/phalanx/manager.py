@@ -232,8 +232,14 @@ class Manager:
         heal_timeout: float | None = None,
         lighthouse_timeout: float | None = None,
     ):
-        if lighthouse_timeout is None and _env("PHALANX_LIGHTHOUSE_TIMEOUT"):
-            lighthouse_timeout = float(_env("PHALANX_LIGHTHOUSE_TIMEOUT") or 0)
+        if lighthouse_timeout is None and (text := _env("PHALANX_LIGHTHOUSE_TIMEOUT")):
+            try:
+                lighthouse_timeout = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"PHALANX_LIGHTHOUSE_TIMEOUT={text!r} is not a number of seconds; "
+                    "set it to e.g. 300"
+                ) from None
         self.timeouts = Timeouts.from_budget(
             timeout,
             quorum=quorum_timeout,
@@ -266,7 +272,6 @@ class Manager:
                 "ranks; check RANK and WORLD_SIZE"
             )
         self._token = token or _env("PHALANX_TOKEN")
-        self._init_sync = init_sync
         advertise_host = advertise_host or _env("PHALANX_ADVERTISE_HOST")
         store_addr = store_addr or _env("MASTER_ADDR", "127.0.0.1")
         port = store_port if store_port is not None else int(_env("MASTER_PORT", "0") or 0)
