@@ -476,18 +476,22 @@ impl Manager for ManagerService {
             },
             Err(_) => {
                 // A rank that never votes means "no" for everyone, never a hang; and
-                // its heal, if it healed, may not have completed.
+                // its heal, if it healed, may not have completed. (With every vote in,
+                // the lease was not settled in time: a "no", torn as the ranks said.)
                 let mut g = shared.lock();
-                let missing: Vec<u32> = g
-                    .ballots
-                    .get(&req.step)
-                    .map(|b| (0..world_size).filter(|r| !b.voted.contains(r)).collect())
-                    .unwrap_or_default();
+                let (missing, torn): (Vec<u32>, bool) = match g.ballots.get(&req.step) {
+                    Some(b) => (
+                        (0..world_size).filter(|r| !b.voted.contains(r)).collect(),
+                        b.torn,
+                    ),
+                    None => (Vec::new(), true),
+                };
+                let torn = torn || !missing.is_empty();
                 let decision = g.decide(
                     req.step,
                     Decision {
                         commit: false,
-                        torn: true,
+                        torn,
                     },
                 );
                 if !missing.is_empty() {
