@@ -147,12 +147,12 @@ def test_steps_begun_after_the_end_do_not_count():
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A 150 kB file system: the demo's logs fill it within seconds."""
+    """A 24 kB file system: the demo's logs fill it within seconds."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
     mount = tmp_path / "tiny"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mount)], check=True)
     try:
         yield mount
     finally:
