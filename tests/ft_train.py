@@ -5,11 +5,12 @@ a hash of its model and optimizer state after the step. Data is seeded by (step,
 replica) so that every group sees different samples, as in a real job.
 
 `--pause-at STEP --pause-phase PHASE` makes the rank stop itself (SIGSTOP, the whole
-process, heartbeat included) once, at STEP, in PHASE: with its all-reduce in flight,
+process, heartbeat included) once, at the first step from STEP on in which at least
+`--pause-participants` groups contribute, in PHASE: with its all-reduce in flight,
 after the collectives and before its vote, or after the vote and before the
-optimizer steps. It prints {"event": "pausing"} first; the test sends SIGCONT.
-`--hold-at STEP` holds only the training thread, with its all-reduce in flight (the
-heartbeat goes on), until the test sends SIGUSR1.
+optimizer steps. It prints {"event": "pausing", "step": ...} first; the test sends
+SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, with its
+all-reduce in flight (the heartbeat goes on), until the test sends SIGUSR1.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from state_digest import state_hash
 class Pause:
     """Stops this process once, at one step and phase (see the module docstring)."""
 
-    def __init__(self, manager: phalanx.Manager, step: int, phase: str | None):
+    def __init__(self, manager: phalanx.Manager, step: int, phase: str | None, participants: int):
         self.manager, self.step, self.phase = manager, step, phase
+        self.participants = participants
         if phase == "before_vote":
             # The vote is the manager server's RPC: stop just before it is sent.
             manager._client = _StopBeforeVote(manager._client, self)
@@ -48,8 +50,12 @@ class Pause:
 
             manager.should_commit = then_stop
 
+    def due(self, step: int) -> bool:
+        """From the step on, once every wanted group contributes (the job trains as one)."""
+        return 0 <= self.step <= step and self.manager.num_participants() >= self.participants
+
     def at(self, phase: str, step: int) -> None:
-        if phase == self.phase and step == self.step:
+        if phase == self.phase and self.due(step):
             self.phase = None
             print(json.dumps({"event": "pausing", "phase": phase, "step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -77,6 +83,7 @@ def main() -> None:
         "--pause-phase", choices=["in_allreduce", "before_vote", "after_vote"], default=None
     )
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--pause-participants", type=int, default=1)
     parser.add_argument(
         "--first-heal-timeout",
         type=float,
@@ -94,7 +101,8 @@ def main() -> None:
     ddp = phalanx.DistributedDataParallel(model, manager)
     optimizer = phalanx.Optimizer(manager, torch.optim.Adam(model.parameters(), lr=0.01))
     rank = manager.group_rank
-    pause = Pause(manager, args.pause_at, args.pause_phase)
+    pause = Pause(manager, args.pause_at, args.pause_phase, args.pause_participants)
+    hold = Pause(manager, args.hold_at, "hold", args.pause_participants)
     timeouts = manager.timeouts
     if args.first_heal_timeout is not None:
         manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
@@ -109,8 +117,8 @@ def main() -> None:
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         pause.at("in_allreduce", step)
-        if step == args.hold_at:
-            args.hold_at = -1
+        if hold.phase and hold.due(step):
+            hold.phase = None
             print(json.dumps({"event": "holding", "step": step}), flush=True)
             signal.sigtimedwait([signal.SIGUSR1], 60)
         committed = optimizer.step()
