@@ -9,8 +9,9 @@ process, heartbeat included) once, at the first step from STEP on in which at le
 `--pause-participants` groups contribute, in PHASE: with its all-reduce in flight,
 after the collectives and before its vote, or after the vote and before the
 optimizer steps. It prints {"event": "pausing", "step": ...} first; the test sends
-SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, with its
-all-reduce in flight (the heartbeat goes on), until the test sends SIGUSR1.
+SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, before its
+backward, so that its peers' all-reduce waits for its part (the heartbeat goes on),
+until the test sends SIGUSR1. The condition reads the previous step's quorum there.
 """
 
 from __future__ import annotations
@@ -115,12 +116,13 @@ def main() -> None:
         x = torch.randn(32, 8, generator=g)
         y = x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        pause.at("in_allreduce", step)
         if hold.phase and hold.due(step):
+            # Before its backward: its peers' all-reduce waits for its part.
             hold.phase = None
             print(json.dumps({"event": "holding", "step": step}), flush=True)
             signal.sigtimedwait([signal.SIGUSR1], 60)
+        loss.backward()
+        pause.at("in_allreduce", step)
         committed = optimizer.step()
         if manager.last_step.healed or "heal" in (manager.failure or ""):
             manager.timeouts = timeouts  # the first heal is over, one way or the other

@@ -144,10 +144,10 @@ def test_a_heal_that_fails_on_one_rank_makes_the_whole_group_heal_again(spawn, l
 
 @pytest.mark.slow
 def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, lighthouse, proxy):
-    # c reaches the lighthouse through a relay. Its training thread is held with its
-    # all-reduce in flight while the relay cuts its connection: the lighthouse
-    # declares c dead (stream broken), a and b abandon the step and commit it again
-    # without c. When c's thread goes on, its all-reduce may still complete (gloo
+    # c reaches the lighthouse through a relay. Its training thread is held before its
+    # part of the all-reduce, which a and b wait for, while the relay cuts its
+    # connection: the lighthouse declares c dead (stream broken), a and b abandon the
+    # step and commit it again without c. When c's thread goes on, its all-reduce may still complete (gloo
     # cannot cancel a peer's abandoned one): c must vote no all the same.
     relay = proxy(lighthouse.address)
     a = start_rank(spawn, lighthouse.address, "a")
@@ -173,8 +173,8 @@ def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, l
 
 @pytest.mark.slow
 def test_a_peer_killed_mid_all_reduce_is_named_in_the_survivors_failure(spawn, lighthouse):
-    # c holds its training thread with the all-reduce in flight, so a and b wait in it
-    # for c; then c is SIGKILLed. Their connections to c break a moment before the
+    # c holds its training thread before its part of the all-reduce, so a and b wait in
+    # it for c; then c is SIGKILLed. Their connections to c break a moment before the
     # lighthouse names the dead group: the failure must say "c died", not gloo's text.
     a = start_rank(spawn, lighthouse.address, "a")
     b = start_rank(spawn, lighthouse.address, "b")
