@@ -147,8 +147,9 @@ def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, l
     # c reaches the lighthouse through a relay. Its training thread is held before its
     # part of the all-reduce, which a and b wait for, while the relay cuts its
     # connection: the lighthouse declares c dead (stream broken), a and b abandon the
-    # step and commit it again without c. When c's thread goes on, its all-reduce may still complete (gloo
-    # cannot cancel a peer's abandoned one): c must vote no all the same.
+    # step and commit it again without c. When c's thread goes on, its all-reduce may
+    # still complete (gloo cannot cancel a peer's abandoned one): c must vote no all
+    # the same.
     relay = proxy(lighthouse.address)
     a = start_rank(spawn, lighthouse.address, "a")
     b = start_rank(spawn, lighthouse.address, "b")
