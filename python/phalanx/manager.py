@@ -55,6 +55,9 @@ log = logging.getLogger("phalanx.manager")
 #: to the survivors in tens of milliseconds.
 EXPLAIN_WAIT_S = 0.25
 
+#: The least time a vote cast again gets: enough to fetch a decision already taken.
+MIN_REVOTE_S = 0.5
+
 #: Where group rank 0 publishes its manager server, per replica id: a rank that
 #: reaches another group's store (two groups given one MASTER_PORT) finds no key of
 #: its own group there and says so, instead of joining the other group.
@@ -616,24 +619,27 @@ class Manager:
 
     def _vote(self, vote: bool, quorum: _core.QuorumResult | None) -> tuple[bool, bool]:
         """Casts this rank's vote; returns the group's (commit, torn). A vote whose
-        answer was lost is cast again: the manager server answers a step it decided
-        with that decision, so this rank cannot miss a commit its peers applied."""
-        for attempt in (1, 2):
-            try:
-                decision = self._client.should_commit(
-                    self.group_rank,
-                    self._step,
-                    vote,
-                    self.timeouts.commit,
-                    quorum_id=quorum.quorum_id if quorum is not None else 0,
-                    torn=self._torn,
-                )
-                return decision.commit, decision.torn
-            except (TimeoutError, ConnectionError) as e:
-                if attempt == 2:
-                    raise
-                log.warning("commit vote of step %d: %s; voting again", self._step, e)
-        raise AssertionError("unreachable")
+        answer was lost is cast once more, within what is left of the commit timeout:
+        the manager server answers a step it decided with that decision, so this rank
+        cannot miss a commit its peers applied."""
+        deadline = time.monotonic() + self.timeouts.commit
+
+        def cast(timeout: float) -> tuple[bool, bool]:
+            decision = self._client.should_commit(
+                self.group_rank,
+                self._step,
+                vote,
+                timeout,
+                quorum_id=quorum.quorum_id if quorum is not None else 0,
+                torn=self._torn,
+            )
+            return decision.commit, decision.torn
+
+        try:
+            return cast(self.timeouts.commit)
+        except (TimeoutError, ConnectionError) as e:
+            log.warning("commit vote of step %d: %s; voting again", self._step, e)
+            return cast(max(deadline - time.monotonic(), MIN_REVOTE_S))
 
     def _explain(self, failure: CollectiveFailed) -> str:
         """Why a collective failed, in phalanx's words. A peer's crash breaks its
