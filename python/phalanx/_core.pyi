@@ -228,6 +228,12 @@ class ManagerServer:
     @property
     def address(self) -> str:
         """host:port that the group's ranks and its peers use."""
+    @property
+    def refused_requests(self) -> dict[str, int]:
+        """Requests and connections turned away so far, by reason: `token` (missing or
+        wrong job token), `no_token_in_time` (a connection that sent no request with the
+        token within 5 s), `crowded_out` (such a connection closed to make room for a
+        newer one), `connections_full`, `invalid`, `duplicate_replica`."""
     def shutdown(self) -> None: ...
     def __enter__(self) -> ManagerServer: ...
     def __exit__(
@@ -353,6 +359,12 @@ class StateServer:
     @property
     def served_bytes(self) -> int:
         """Chunk bytes sent so far."""
+    @property
+    def refused_requests(self) -> dict[str, int]:
+        """Requests and connections turned away so far, by reason: `token` (missing or
+        wrong job token), `no_token_in_time` (a connection that sent no request with the
+        token within 5 s), `crowded_out` (such a connection closed to make room for a
+        newer one), `connections_full`, `invalid`, `duplicate_replica`."""
     def publish(
         self, step: int, quorum_id: int, manifest: bytes, regions: list[tuple[int, int]]
     ) -> None:

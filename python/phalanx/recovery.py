@@ -636,6 +636,12 @@ class StateHost:
         """Tensor bytes sent to peers so far."""
         return self._server.served_bytes
 
+    @property
+    def refused_requests(self) -> dict[str, int]:
+        """Requests and connections turned away so far, by reason (see
+        `phalanx._core.StateServer.refused_requests`)."""
+        return self._server.refused_requests
+
     def open(self, step: int, quorum_id: int, state: Mapping[str, Any]) -> None:
         """Lends `state` (name -> state_dict-like structure) to peers that heal to
         `step` in quorum `quorum_id`, until `close()`. Raises TypeError for a value

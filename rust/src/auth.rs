@@ -5,6 +5,9 @@ use std::sync::Arc;
 
 use tonic::{service::Interceptor, Request, Status};
 
+use crate::door::Ticket;
+use crate::gate::Refusal;
+
 /// gRPC metadata key and HTTP header that carry the token, as `Bearer <token>`.
 pub const AUTHORIZATION: &str = "authorization";
 
@@ -53,15 +56,24 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The token check of every gRPC server: an admitted request proves its connection
+/// (see `gate`), a refused one is counted.
 impl Interceptor for JobToken {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
         let presented = request
             .metadata()
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
+        let ticket = request.extensions().get::<Ticket>();
         if self.admits(presented) {
+            if let Some(ticket) = ticket {
+                ticket.prove();
+            }
             Ok(request)
         } else {
+            if let Some(ticket) = ticket {
+                ticket.refusals().count(Refusal::Token);
+            }
             Err(Status::unauthenticated(
                 "missing or wrong job token: start every process of the job with the same \
                  --token or PHALANX_TOKEN",

@@ -6,6 +6,7 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::auth::JobToken;
+use crate::gate::GateLimits;
 use crate::lighthouse::{self, LighthouseOptions};
 use crate::Error;
 
@@ -40,6 +41,7 @@ impl LighthouseArgs {
             join_timeout: self.join_timeout,
             heartbeat_timeout: self.heartbeat_timeout,
             token: JobToken::new(self.token.clone()),
+            connections: GateLimits::RPC,
         }
     }
 }

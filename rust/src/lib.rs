@@ -5,7 +5,9 @@
 pub mod auth;
 pub mod cli;
 pub mod client;
+pub mod door;
 mod error;
+pub mod gate;
 pub mod lighthouse;
 pub mod loadgen;
 pub mod manager;

@@ -5,6 +5,7 @@
 //! fits: `TimeoutError`, `ConnectionError`, `PermissionError` (wrong or missing job
 //! token), `ValueError` (bad input), each with a message that says what to do.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -20,6 +21,7 @@ use tokio::sync::mpsc;
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::client;
+use crate::gate::{GateLimits, Refusals};
 use crate::lighthouse::{self, LighthouseOptions};
 use crate::manager::{self, ManagerOptions};
 use crate::proto;
@@ -280,6 +282,7 @@ impl LighthouseServer {
             join_timeout: seconds("join_timeout", join_timeout)?,
             heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
             token: JobToken::new(token),
+            connections: GateLimits::RPC,
         };
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
@@ -425,6 +428,7 @@ pub struct ManagerServer {
     handle: Mutex<Option<ServerHandle>>,
     #[pyo3(get)]
     address: String,
+    refusals: Refusals,
 }
 
 #[pymethods]
@@ -456,12 +460,20 @@ impl ManagerServer {
             connect_timeout: seconds("connect_timeout", connect_timeout)?,
             init_sync,
             token: token_of(token),
+            connections: GateLimits::RPC,
         };
         let handle = wait(py, manager::serve(options))?;
         Ok(ManagerServer {
             handle: Mutex::new(Some(handle.server)),
             address: handle.address,
+            refusals: handle.refusals,
         })
+    }
+
+    /// Requests and connections turned away so far, by reason.
+    #[getter]
+    fn refused_requests(&self) -> HashMap<&'static str, u64> {
+        self.refusals.snapshot().into_iter().collect()
     }
 
     /// Stops serving and closes the group's heartbeat stream. Idempotent.

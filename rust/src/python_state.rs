@@ -7,6 +7,7 @@
 //! Python side keeps alive; the calls below never return while a task of theirs may
 //! still touch that memory, Ctrl-C included.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -174,6 +175,7 @@ impl StateServer {
                 chunks: test_corrupt_chunks,
                 byte: test_corrupt_byte,
             }),
+            ..ServerOptions::default()
         };
         let server = wait(py, state::StateServer::bind(options), OnInterrupt::Abort)?;
         Ok(StateServer {
@@ -227,6 +229,12 @@ impl StateServer {
     #[getter]
     fn served_bytes(&self) -> PyResult<u64> {
         Ok(self.server()?.served_bytes())
+    }
+
+    /// Requests and connections turned away so far, by reason.
+    #[getter]
+    fn refused_requests(&self) -> PyResult<HashMap<&'static str, u64>> {
+        Ok(self.server()?.refusals().snapshot().into_iter().collect())
     }
 
     /// Stops serving and closes the window (sends in flight are cut). Idempotent.

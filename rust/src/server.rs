@@ -1,18 +1,26 @@
 //! Starting and stopping a tonic server, shared by the lighthouse and the manager.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 use tonic::service::Routes;
-use tonic::transport::server::TcpIncoming;
 
+use crate::door::{self, Door};
 use crate::Error;
 
 /// How long a stopping server waits for open calls before dropping them.
 const GRACE: Duration = Duration::from_secs(1);
+/// Calls open at once on one connection: a rank keeps a handful (its event stream, a
+/// quorum request, a vote, store waits).
+const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// Request headers are a path and a token; hyper's default allows 16 MiB.
+const MAX_HEADER_BYTES: u32 = 16 * 1024;
 
 /// A running server. Dropping it stops the server too, without waiting.
 pub struct ServerHandle {
@@ -79,8 +87,14 @@ pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), Error> {
     Ok((listener, addr))
 }
 
-/// Serves `routes` on `listener` until `shutdown` is set (or the handle dropped).
-pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool>) -> ServerHandle {
+/// Serves `routes` on `listener` until `shutdown` is set (or the handle dropped),
+/// letting connections in through `door`.
+pub fn spawn(
+    listener: TcpListener,
+    routes: Routes,
+    shutdown: watch::Sender<bool>,
+    door: Arc<Door>,
+) -> ServerHandle {
     let addr = listener
         .local_addr()
         .expect("a bound listener has an address");
@@ -89,10 +103,18 @@ pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool
         .accept_http1(true)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
         .add_routes(routes);
-    // The builder's `tcp_nodelay` does not reach a listener we bound ourselves; without
-    // it, small pushes (membership-loss events) wait ~40 ms for a delayed ACK.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let (admitted, incoming) = mpsc::channel(64);
+    let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
+    let accept = tokio::spawn(door::accept(
+        listener,
+        door.clone(),
+        admitted,
+        shutdown.subscribe(),
+    ));
+    let sweep = tokio::spawn(door.sweep(shutdown.subscribe()));
     let task = tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -104,6 +126,6 @@ pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool
     ServerHandle {
         addr,
         shutdown,
-        tasks: vec![task],
+        tasks: vec![task, accept, sweep],
     }
 }

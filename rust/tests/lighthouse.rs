@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
 use phalanx::client::LighthouseClient;
+use phalanx::gate::GateLimits;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::proto::{self, PROTOCOL_VERSION};
 use phalanx::server::ServerHandle;
@@ -37,6 +38,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         join_timeout: JOIN_TIMEOUT,
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         token: JobToken::default(),
+        connections: GateLimits::RPC,
     }
 }
 
@@ -794,4 +796,127 @@ async fn answers_err(task: JoinHandle<Result<proto::Quorum, Error>>) -> Error {
         .await
         .expect("quorum task")
         .expect_err("no quorum from a stopped lighthouse")
+}
+
+/// Connection caps small and short enough for a test to reach.
+const TIGHT: GateLimits = GateLimits {
+    max_connections: 64,
+    max_unproven: 16,
+    prove_within: Duration::from_millis(300),
+    idle: Duration::from_millis(600),
+};
+
+async fn refused(addr: SocketAddr, token: &str, reason: &str) -> u64 {
+    let (code, metrics) = http_get(addr, "/metrics", Some(&format!("Bearer {token}"))).await;
+    assert_eq!(code, 200, "{metrics}");
+    let line = format!("phalanx_lighthouse_refused_requests_total{{reason=\"{reason}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .unwrap_or_else(|| panic!("no {reason} refusals exported:\n{metrics}"))
+        .parse()
+        .expect("a count")
+}
+
+/// Reads until the peer closes the connection; how long that took.
+async fn until_closed(stream: &mut TcpStream) -> Duration {
+    let started = Instant::now();
+    bounded("the lighthouse to close the connection", PATIENCE, async {
+        let mut buf = [0u8; 256];
+        while let Ok(n) = stream.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_without_the_token_is_closed_soon_and_every_refusal_is_counted() {
+    let token = JobToken::new(Some("s3cret".into()));
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        token: token.clone(),
+        connections: TIGHT,
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = lighthouse.local_addr();
+    for reason in [
+        "token",
+        "no_token_in_time",
+        "crowded_out",
+        "connections_full",
+    ] {
+        assert_eq!(refused(addr, "s3cret", reason).await, 0, "{reason}");
+    }
+
+    let mut silent = TcpStream::connect(addr).await.expect("connect");
+    let mut talker = TcpStream::connect(addr).await.expect("connect");
+    talker
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("send a preface");
+    assert!(until_closed(&mut silent).await >= TIGHT.prove_within - Duration::from_millis(50));
+    until_closed(&mut talker).await;
+    assert_eq!(refused(addr, "s3cret", "no_token_in_time").await, 2);
+
+    let wrong = client_with_token(addr, &JobToken::new(Some("guess".into())));
+    let (code, _) = rpc_code(wrong.status(CALL_TIMEOUT).await.map(|_| ()));
+    assert_eq!(code, Code::Unauthenticated);
+    let (code, _) = http_get(addr, "/status", Some("Bearer guess")).await;
+    assert_eq!(code, 401);
+    assert_eq!(refused(addr, "s3cret", "token").await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_held_against_the_lighthouse_do_not_keep_a_group_out() {
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        connections: GateLimits {
+            prove_within: Duration::from_secs(30),
+            ..TIGHT
+        },
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = lighthouse.local_addr();
+    let mut flood = Vec::new();
+    for _ in 0..400 {
+        flood.push(TcpStream::connect(addr).await.expect("connect"));
+    }
+
+    let c = client(addr);
+    let q = bounded(
+        "a quorum beside the flood",
+        PATIENCE,
+        c.quorum(member("a", 0), 0, CALL_TIMEOUT),
+    )
+    .await
+    .expect("served");
+    assert_eq!(ids(&q), ["a"]);
+    // The lighthouse keeps at most `max_unproven` of them; the rest made room.
+    let crowded_out = refused(addr, "", "crowded_out").await;
+    assert!(
+        crowded_out >= 400 - TIGHT.max_unproven as u64,
+        "{crowded_out}"
+    );
+    drop(flood);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_closed_and_the_client_reconnects_unnoticed() {
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        connections: TIGHT,
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let c = client(lighthouse.local_addr());
+    status_rpc(&c).await;
+    // Twice the idle limit with nothing on the wire: the lighthouse closes it.
+    tokio::time::sleep(2 * TIGHT.idle).await;
+    status_rpc(&c).await;
 }

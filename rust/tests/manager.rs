@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
 use phalanx::client::ManagerClient;
+use phalanx::gate::GateLimits;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::manager::{self, ManagerHandle, ManagerOptions};
 use phalanx::proto;
@@ -29,6 +30,7 @@ async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        connections: GateLimits::RPC,
     })
     .await
     .expect("lighthouse starts")
@@ -50,6 +52,7 @@ async fn start_manager(
         connect_timeout: Duration::from_millis(500),
         init_sync: false,
         token: JobToken::default(),
+        connections: GateLimits::RPC,
     })
     .await
     .expect("manager server starts")
@@ -344,6 +347,7 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        connections: GateLimits::RPC,
     })
     .await
     .expect("lighthouse starts on the old address");
@@ -440,6 +444,7 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        connections: GateLimits::RPC,
     })
     .await
     .expect("a new lighthouse binds the same port");

@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
+use phalanx::gate::GateLimits;
 use phalanx::state::{
     fetch_manifest, fetch_state, Corruption, DestRegion, FetchOptions, FetchStats, ServerOptions,
     SourceRegion, StateError, StateErrorKind, StateServer,
@@ -414,4 +415,63 @@ async fn a_destination_of_another_shape_is_refused_before_any_byte_moves() {
     assert_eq!(err.kind, StateErrorKind::InvalidInput, "{err}");
     assert!(err.message.contains("region 1 has 2000 bytes"), "{err}");
     assert!(healed.iter().all(|r| r.iter().all(|&b| b == 0)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heal_completes_beside_a_flood_of_idle_connections_and_refusals_are_counted() {
+    let source = state(&[3 * MIB, 12345]);
+    let token = JobToken::new(Some("s3cret".into()));
+    let limits = GateLimits {
+        max_connections: 64,
+        max_unproven: 16,
+        prove_within: Duration::from_secs(30),
+        idle: Duration::from_secs(30),
+    };
+    let server = serve(
+        &source,
+        ServerOptions {
+            token: token.clone(),
+            connections: limits,
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let mut flood = Vec::new();
+    for _ in 0..300 {
+        flood.push(
+            tokio::net::TcpStream::connect(server.local_addr())
+                .await
+                .expect("connect"),
+        );
+    }
+
+    let sources = addresses(std::slice::from_ref(&server));
+    let wrong = FetchOptions {
+        token: JobToken::new(Some("guess".into())),
+        ..options()
+    };
+    let mut healed = zeroed_like(&source);
+    let refused = fetch(&sources, &mut healed, wrong).await.unwrap_err();
+    assert_eq!(refused.kind, StateErrorKind::Refused, "{refused}");
+    let honest = FetchOptions { token, ..options() };
+    fetch(&sources, &mut healed, honest)
+        .await
+        .expect("heals beside the flood");
+    assert_eq!(healed, source);
+
+    let count = |reason| {
+        server
+            .refusals()
+            .snapshot()
+            .into_iter()
+            .find(|(r, _)| *r == reason)
+            .map(|(_, n)| n)
+    };
+    assert!(count("token") >= Some(1), "{:?}", count("token"));
+    assert!(
+        count("crowded_out") >= Some(300 - 16),
+        "{:?}",
+        count("crowded_out")
+    );
+    drop(flood);
 }

@@ -13,6 +13,8 @@ use axum::{Json, Router};
 
 use super::service::Shared;
 use crate::auth::{JobToken, AUTHORIZATION};
+use crate::door::Ticket;
+use crate::gate::Refusal;
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -37,9 +39,16 @@ async fn require_token(State(token): State<JobToken>, request: Request, next: Ne
         .uri()
         .query()
         .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("token=")));
+    let ticket = request.extensions().get::<Ticket>().cloned();
     if token.admits(from_header) || (from_query.is_some() && token.admits(from_query)) {
+        if let Some(ticket) = ticket {
+            ticket.prove();
+        }
         next.run(request).await
     } else {
+        if let Some(ticket) = ticket {
+            ticket.refusals().count(Refusal::Token);
+        }
         (
             StatusCode::UNAUTHORIZED,
             "missing or wrong job token: send 'Authorization: Bearer <token>' or add ?token=<token>\n",

@@ -7,6 +7,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use super::state::Eviction;
+use crate::gate::Refusals;
+
 type Labels = Vec<(&'static str, &'static str)>;
 
 pub struct Metrics {
@@ -18,7 +21,7 @@ pub struct Metrics {
     pub quorum_wait_seconds: Histogram,
     pub heartbeats: Counter,
     pub evictions: Family<Labels, Counter>,
-    pub refused: Family<Labels, Counter>,
+    pub refusals: Refusals,
 }
 
 impl Metrics {
@@ -33,7 +36,7 @@ impl Metrics {
             quorum_wait_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 21)),
             heartbeats: Counter::default(),
             evictions: Family::default(),
-            refused: Family::default(),
+            refusals: Refusals::default(),
             registry: Registry::default(),
         };
         registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
@@ -65,18 +68,23 @@ impl Metrics {
         );
         registry.register(
             "refused_requests",
-            "Requests refused, by reason",
-            m.refused.clone(),
+            "Requests and connections refused, by reason",
+            m.refusals.family(),
         );
+        for cause in Eviction::ALL {
+            m.evicted_family(cause);
+        }
         Metrics { registry, ..m }
     }
 
-    pub fn evicted(&self, cause: &'static str) {
-        self.evictions.get_or_create(&vec![("cause", cause)]).inc();
+    pub fn evicted(&self, cause: Eviction) {
+        self.evicted_family(cause).inc();
     }
 
-    pub fn refused(&self, reason: &'static str) {
-        self.refused.get_or_create(&vec![("reason", reason)]).inc();
+    fn evicted_family(&self, cause: Eviction) -> Counter {
+        self.evictions
+            .get_or_create(&vec![("cause", cause.as_str())])
+            .clone()
     }
 
     pub fn render(&self) -> String {

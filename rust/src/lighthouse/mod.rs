@@ -14,6 +14,8 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 
 use crate::auth::JobToken;
+use crate::door::Door;
+use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
 use crate::quorum::QuorumConfig;
 use crate::server::{self, ServerHandle};
@@ -32,6 +34,8 @@ pub struct LighthouseOptions {
     pub join_timeout: Duration,
     pub heartbeat_timeout: Duration,
     pub token: JobToken,
+    /// Caps on connections (see `gate`).
+    pub connections: GateLimits,
 }
 
 impl Default for LighthouseOptions {
@@ -42,6 +46,7 @@ impl Default for LighthouseOptions {
             join_timeout: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(2),
             token: JobToken::default(),
+            connections: GateLimits::RPC,
         }
     }
 }
@@ -88,7 +93,8 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
     let routes = Routes::new(grpc)
         .into_axum_router()
         .merge(http::router(shared.clone(), options.token.clone()));
-    let mut handle = server::spawn(listener, routes.into(), shutdown);
+    let door = Door::new(options.connections, shared.metrics.refusals.clone());
+    let mut handle = server::spawn(listener, routes.into(), shutdown, door);
     handle.add_task(tokio::spawn(shared.run_deadlines(shutdown_rx)));
     tracing::debug!(
         address = %handle.local_addr(),

@@ -15,6 +15,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::metrics::Metrics;
 use super::state::{Eviction, LighthouseState};
+use crate::door::Ticket;
+use crate::gate::Refusal;
 use crate::proto::{self, lighthouse_server::Lighthouse};
 use crate::validate;
 
@@ -73,7 +75,7 @@ impl Shared {
     }
 
     fn evicted(&self, cause: Eviction) {
-        self.metrics.evicted(cause.as_str());
+        self.metrics.evicted(cause);
     }
 
     /// Expires silent groups and acts on due deadlines until `shutdown` flips.
@@ -145,9 +147,9 @@ fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEve
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::LighthouseEvent, Status>> + Send>>;
 
-fn refuse<T>(shared: &Shared, reason: &'static str, r: Result<T, Status>) -> Result<T, Status> {
+fn refuse<T>(shared: &Shared, reason: Refusal, r: Result<T, Status>) -> Result<T, Status> {
     if r.is_err() {
-        shared.metrics.refused(reason);
+        shared.metrics.refusals.count(reason);
     }
     r
 }
@@ -167,7 +169,7 @@ impl Lighthouse for LighthouseService {
             validate::quorum_id("last_quorum_id", req.last_quorum_id)?;
             Ok((member, validate::timeout_ms(req.timeout_ms)?))
         });
-        let (member, timeout) = refuse(&self.shared, "invalid", checked)?;
+        let (member, timeout) = refuse(&self.shared, Refusal::Invalid, checked)?;
         let replica_id = member.replica_id.clone();
 
         let (reply_tx, reply_rx) = oneshot::channel();
@@ -176,7 +178,7 @@ impl Lighthouse for LighthouseService {
             let now = Instant::now();
             let ticket = refuse(
                 &self.shared,
-                "duplicate_replica",
+                Refusal::DuplicateReplica,
                 st.join(member.into(), req.last_quorum_id, now, reply_tx),
             )?;
             self.shared.evaluate(&mut st, now);
@@ -214,8 +216,9 @@ impl Lighthouse for LighthouseService {
         request: Request<Streaming<proto::Beat>>,
     ) -> Result<Response<Self::HeartbeatStream>, Status> {
         let peer = request
-            .remote_addr()
-            .map_or_else(|| "unknown".to_string(), |a| a.to_string());
+            .extensions()
+            .get::<Ticket>()
+            .map_or_else(|| "unknown".to_string(), |t| t.peer().to_string());
         let mut inbound = request.into_inner();
         let heartbeat_timeout = self.shared.lock().heartbeat_timeout();
         let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
@@ -234,7 +237,7 @@ impl Lighthouse for LighthouseService {
             validate::replica_id(&first.replica_id)?;
             validate::beat(&first)
         });
-        refuse(&self.shared, "invalid", checked)?;
+        refuse(&self.shared, Refusal::Invalid, checked)?;
 
         let (events_tx, events_rx) = mpsc::channel(16);
         // Weak: the state holds the stream's one strong sender, so that evicting the
@@ -246,7 +249,7 @@ impl Lighthouse for LighthouseService {
             let now = Instant::now();
             let opened = refuse(
                 &self.shared,
-                "duplicate_replica",
+                Refusal::DuplicateReplica,
                 st.open_stream(&first, peer, events_tx, now),
             )?;
             self.shared.evaluate(&mut st, now);

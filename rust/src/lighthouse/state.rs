@@ -31,6 +31,8 @@ pub enum Eviction {
 }
 
 impl Eviction {
+    pub const ALL: [Eviction; 2] = [Eviction::StreamBroken, Eviction::HeartbeatTimeout];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Eviction::StreamBroken => "stream_broken",

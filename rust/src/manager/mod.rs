@@ -19,6 +19,8 @@ use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
 use crate::client::{keep_heartbeat, Lease, LighthouseClient, Progress};
+use crate::door::Door;
+use crate::gate::{GateLimits, Refusals};
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
 use crate::{validate, Error};
@@ -43,6 +45,8 @@ pub struct ManagerOptions {
     pub connect_timeout: Duration,
     pub init_sync: bool,
     pub token: JobToken,
+    /// Caps on connections (see `gate`).
+    pub connections: GateLimits,
 }
 
 impl ManagerOptions {
@@ -549,6 +553,8 @@ impl Manager for ManagerService {
 pub struct ManagerHandle {
     pub server: ServerHandle,
     pub address: String,
+    /// Requests and connections turned away, by reason.
+    pub refusals: Refusals,
 }
 
 /// Starts a group's manager server on the current tokio runtime.
@@ -580,7 +586,9 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
-    let mut handle = server::spawn(listener, Routes::new(grpc), shutdown);
+    let refusals = Refusals::default();
+    let door = Door::new(options.connections, refusals.clone());
+    let mut handle = server::spawn(listener, Routes::new(grpc), shutdown, door);
     let heartbeat = keep_heartbeat(
         lighthouse,
         options.replica_id.clone(),
@@ -606,5 +614,6 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     Ok(ManagerHandle {
         server: handle,
         address: manager_address,
+        refusals,
     })
 }

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -22,14 +22,13 @@ use super::wire::{
 };
 use super::StateError;
 use crate::auth::JobToken;
+use crate::door::{self, Door, Guarded};
+use crate::gate::{GateLimits, Refusal, Refusals};
 use crate::server::advertised_address;
 
 /// Bytes written and then checksummed per step: small enough to still be in L2 when
 /// the checksum pass follows the kernel's copy into the socket.
 const PIECE: usize = 256 << 10;
-/// A connection without a request for this long is closed: a healer keeps its
-/// connections busy, so an idle one is a leftover or a stuck peer.
-const IDLE: Duration = Duration::from_secs(120);
 /// After a withdraw's grace, sends still reading the window are cut; they stop at
 /// their next write, well within this.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -80,6 +79,8 @@ pub struct ServerOptions {
     pub max_bytes_per_s: Option<f64>,
     /// Test only: damage bytes of served chunks on the wire, as a bad link would.
     pub test_corruption: Option<Corruption>,
+    /// Caps on connections (see `gate`).
+    pub connections: GateLimits,
 }
 
 impl Default for ServerOptions {
@@ -90,6 +91,7 @@ impl Default for ServerOptions {
             token: JobToken::default(),
             max_bytes_per_s: None,
             test_corruption: None,
+            connections: GateLimits::STATE,
         }
     }
 }
@@ -115,6 +117,7 @@ struct Window {
 
 struct Shared {
     token: JobToken,
+    refusals: Refusals,
     window: Mutex<Option<Arc<Window>>>,
     /// Woken whenever a send lets go of a window.
     released: Notify,
@@ -242,8 +245,10 @@ impl StateServer {
             .await
             .map_err(|e| StateError::connection(e.to_string()))?;
         let address = advertised_address(local_addr, options.advertise_host.as_deref());
+        let refusals = Refusals::default();
         let shared = Arc::new(Shared {
             token: options.token,
+            refusals: refusals.clone(),
             window: Mutex::new(None),
             released: Notify::new(),
             pacer: options.max_bytes_per_s.map(|bytes_per_s| Pacer {
@@ -257,7 +262,8 @@ impl StateServer {
             served_bytes: AtomicU64::new(0),
         });
         let (shutdown, stop) = watch::channel(false);
-        let accept = tokio::spawn(accept_loop(listener, shared.clone(), stop));
+        let door = Door::new(options.connections, refusals);
+        let accept = tokio::spawn(accept_loop(listener, door, shared.clone(), stop));
         Ok(StateServer {
             address,
             local_addr,
@@ -274,6 +280,11 @@ impl StateServer {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Requests and connections turned away, by reason.
+    pub fn refusals(&self) -> &Refusals {
+        &self.shared.refusals
     }
 
     /// Chunk bytes sent so far, over all windows.
@@ -371,25 +382,22 @@ impl Drop for StateServer {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            _ = stop.wait_for(|s| *s) => return,
-        };
-        match accepted {
-            Ok((stream, _peer)) => {
-                // Without it the small trailer of a chunk waits for a delayed ACK.
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(serve_connection(stream, shared.clone(), stop.clone()));
-            }
-            Err(e) => {
-                // Typically out of file descriptors: back off instead of spinning.
-                tracing::warn!("state server: cannot accept a connection: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+/// Serves every connection the door lets in, until `stop`.
+async fn accept_loop(
+    listener: TcpListener,
+    door: Arc<Door>,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+) {
+    let (admitted, mut connections) = mpsc::channel(64);
+    let accept = door::accept(listener, door.clone(), admitted, stop.clone());
+    let sweep = door.sweep(stop.clone());
+    let serve = async {
+        while let Some(connection) = connections.recv().await {
+            tokio::spawn(serve_connection(connection, shared.clone(), stop.clone()));
         }
-    }
+    };
+    tokio::join!(accept, sweep, serve);
 }
 
 enum ReadError {
@@ -398,7 +406,7 @@ enum ReadError {
     Wire(WireError),
 }
 
-async fn read_request(stream: &mut TcpStream) -> Result<Request, ReadError> {
+async fn read_request(stream: &mut Guarded) -> Result<Request, ReadError> {
     let mut header = [0u8; REQUEST_HEADER_LEN];
     stream
         .read_exact(&mut header)
@@ -414,18 +422,18 @@ async fn read_request(stream: &mut TcpStream) -> Result<Request, ReadError> {
 }
 
 async fn serve_connection(
-    mut stream: TcpStream,
+    mut stream: Guarded,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         let request = tokio::select! {
-            request = tokio::time::timeout(IDLE, read_request(&mut stream)) => request,
+            request = read_request(&mut stream) => request,
             _ = stop.wait_for(|s| *s) => return,
         };
         let request = match request {
-            Ok(Ok(request)) => request,
-            Ok(Err(ReadError::Wire(e))) => {
+            Ok(request) => request,
+            Err(ReadError::Wire(e)) => {
                 let message = format!("bad request: {e}");
                 let _ = stream
                     .write_all(&encode_response(
@@ -437,7 +445,7 @@ async fn serve_connection(
                     .await;
                 return;
             }
-            Ok(Err(ReadError::Gone)) | Err(_) => return,
+            Err(ReadError::Gone) => return,
         };
         match answer(&mut stream, &shared, request).await {
             Ok(true) => {}
@@ -447,15 +455,14 @@ async fn serve_connection(
 }
 
 /// Answers one request; Ok(false) when the connection must be closed after it.
-async fn answer(
-    stream: &mut TcpStream,
-    shared: &Arc<Shared>,
-    request: Request,
-) -> io::Result<bool> {
+async fn answer(stream: &mut Guarded, shared: &Arc<Shared>, request: Request) -> io::Result<bool> {
     let presented = std::str::from_utf8(&request.token)
         .ok()
         .filter(|t| !t.is_empty());
-    if !shared.token.admits(presented) {
+    if shared.token.admits(presented) {
+        stream.ticket().prove();
+    } else {
+        shared.refusals.count(Refusal::Token);
         let message = "missing or wrong job token: start every rank of the job with the same \
                        token (PHALANX_TOKEN)";
         stream
@@ -536,7 +543,7 @@ fn chunk_of<'w>(window: &'w Window, request: &Request) -> Result<&'w [u8], Strin
 /// Streams one chunk: header, the bytes straight from the window, their checksum.
 /// Stops at the next write once the window is cut.
 async fn send_chunk(
-    stream: &mut TcpStream,
+    stream: &mut Guarded,
     shared: &Shared,
     window: &Window,
     bytes: &[u8],
