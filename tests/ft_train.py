@@ -107,7 +107,8 @@ def main() -> None:
     timeouts = manager.timeouts
     if args.first_heal_timeout is not None:
         manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
-    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    ready = {"event": "ready", "pid": os.getpid(), "state_address": manager.state_address}
+    print(json.dumps(ready), flush=True)
 
     while manager.current_step() < args.steps:
         step = manager.current_step()

@@ -530,6 +530,11 @@ class Manager:
         return self._failure
 
     @property
+    def state_address(self) -> str:
+        """host:port of this rank's state server, which healing peers fetch from."""
+        return self._host.address
+
+    @property
     def quorum_id(self) -> int | None:
         return None if self._quorum is None else self._quorum.quorum_id
 
