@@ -11,7 +11,7 @@ import pytest
 
 import phalanx
 
-from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get
+from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get, wait_until
 
 TOKEN = "s3cret-token"
 
@@ -132,3 +132,26 @@ def test_an_address_that_is_not_one_is_a_value_error():
         phalanx.LighthouseClient("not an address")
     with pytest.raises(ValueError, match="host:port"):
         phalanx.ManagerClient("not an address")
+
+
+def test_a_groups_refusals_reach_the_lighthouses_metrics(locked):
+    with phalanx.ManagerServer(
+        "g", locked.address, token=TOKEN, heartbeat_interval=HEARTBEAT_INTERVAL
+    ) as server:
+        with pytest.raises(PermissionError):
+            phalanx.ManagerClient(server.address).quorum(0, 0, timeout=1.0)
+        # A rank reports its state server's refusals with its quorum request.
+        rank = phalanx.ManagerClient(server.address, token=TOKEN)
+        rank.quorum(0, 0, timeout=5.0, state_refused={"token": 3, "crowded_out": 2})
+        assert server.refused_requests["token"] == 4
+
+        def exported() -> str:
+            _, metrics = http_get(f"http://{locked.address}/metrics", token=TOKEN)
+            return metrics
+
+        line = 'phalanx_lighthouse_group_refused_requests_total{replica_id="g",reason="%s"} %d'
+        wait_until(
+            lambda: line % ("token", 4) in exported() and line % ("crowded_out", 2) in exported(),
+            5.0,
+            "the group's refusals in the lighthouse's metrics",
+        )

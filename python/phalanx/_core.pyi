@@ -230,7 +230,8 @@ class ManagerServer:
         """host:port that the group's ranks and its peers use."""
     @property
     def refused_requests(self) -> dict[str, int]:
-        """Requests and connections turned away so far, by reason: `token` (missing or
+        """The group's requests and connections turned away so far (this server's and
+        what its ranks' state servers reported), by reason: `token` (missing or
         wrong job token), `no_token_in_time` (a connection that sent no request with the
         token within 5 s), `crowded_out` (such a connection closed to make room for a
         newer one), `connections_full`, `invalid`, `duplicate_replica`."""
@@ -258,10 +259,12 @@ class ManagerClient:
         shrink_only: bool = False,
         state_quorum_id: int = 0,
         torn: bool = False,
+        state_refused: dict[str, int] | None = None,
     ) -> QuorumResult:
         """Asks for the quorum of `step` (the state committed in quorum
         `state_quorum_id`; `torn` after a failed heal); every rank of the group must ask
-        for the same step."""
+        for the same step. `state_refused`: this rank's state server's refusals so far
+        (`StateServer.refused_requests`), which the group reports to the lighthouse."""
     def should_commit(
         self,
         group_rank: int,

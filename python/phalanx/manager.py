@@ -392,6 +392,7 @@ class Manager:
             shrink_only,
             self._state_quorum_id,
             self._torn,
+            self._host.refused_requests,
         )
 
     def allreduce(

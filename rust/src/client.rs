@@ -15,6 +15,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 use crate::auth::{AttachToken, JobToken};
+use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, PROTOCOL_VERSION};
 use crate::Error;
 
@@ -309,6 +310,7 @@ impl InFlight {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub async fn keep_heartbeat(
     client: LighthouseClient,
     replica_id: String,
@@ -317,21 +319,35 @@ pub async fn keep_heartbeat(
     progress: watch::Receiver<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
     lease: watch::Sender<Option<Lease>>,
+    refusals: Arc<GroupRefusals>,
 ) {
     let mut backoff = interval;
     loop {
         let (beats_tx, beats_rx) = mpsc::channel(4);
         let in_flight = Arc::new(InFlight::default());
+        // Refusal counts ride on a beat when they changed (and on a stream's first).
+        let mut reported = RefusalCounts::new();
+        let refusals = refusals.clone();
+        let mut beat = move |p: Progress, seq: u64| {
+            let totals = refusals.totals();
+            let refused = if totals == reported {
+                Vec::new()
+            } else {
+                reported = totals;
+                gate::counts_to_wire(&reported)
+            };
+            proto::Beat {
+                protocol_version: PROTOCOL_VERSION,
+                replica_id: String::new(),
+                manager_address: String::new(),
+                last_quorum_id: p.last_quorum_id,
+                step: p.step,
+                seq,
+                refused,
+            }
+        };
         // Only the first beat names the group; the server reads it before answering,
         // so it is queued before the call.
-        let beat = move |p: Progress, seq: u64| proto::Beat {
-            protocol_version: PROTOCOL_VERSION,
-            replica_id: String::new(),
-            manager_address: String::new(),
-            last_quorum_id: p.last_quorum_id,
-            step: p.step,
-            seq,
-        };
         in_flight.sent(1, Instant::now());
         let _ = beats_tx.try_send(proto::Beat {
             replica_id: replica_id.clone(),

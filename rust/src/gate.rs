@@ -13,12 +13,15 @@
 //!
 //! Pure: `now` comes in, ids of connections to close come out; `door.rs` does the I/O.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+
+use crate::proto;
 
 /// The caps of one listener.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +80,11 @@ impl Refusal {
         Refusal::Crowded,
     ];
 
+    /// The reason named `name` (as `as_str` writes it), if there is one.
+    pub fn named(name: &str) -> Option<Refusal> {
+        Refusal::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::Token => "token",
@@ -129,6 +137,60 @@ impl Refusals {
 
     pub fn family(&self) -> Family<ReasonLabel, Counter> {
         self.0.clone()
+    }
+}
+
+/// Counts by reason, as a replica group reports them for its listeners.
+pub type RefusalCounts = Vec<(Refusal, u64)>;
+
+/// The counts a peer sent; reasons this build does not know are dropped.
+pub fn counts_from_wire(wire: &[proto::RefusalCount]) -> RefusalCounts {
+    wire.iter()
+        .filter_map(|c| Refusal::named(&c.reason).map(|r| (r, c.count)))
+        .take(Refusal::ALL.len())
+        .collect()
+}
+
+pub fn counts_to_wire(counts: &[(Refusal, u64)]) -> Vec<proto::RefusalCount> {
+    counts
+        .iter()
+        .map(|&(r, count)| proto::RefusalCount {
+            reason: r.as_str().into(),
+            count,
+        })
+        .collect()
+}
+
+/// The refusals of one replica group's listeners: its manager server's own, and each
+/// rank's state server's as the rank last reported them (with its quorum request).
+#[derive(Debug, Default)]
+pub struct GroupRefusals {
+    pub own: Refusals,
+    ranks: Mutex<BTreeMap<u32, RefusalCounts>>,
+}
+
+impl GroupRefusals {
+    pub fn report(&self, rank: u32, counts: RefusalCounts) {
+        self.ranks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(rank, counts);
+    }
+
+    /// Every reason with the group's total, in `Refusal::ALL` order.
+    pub fn totals(&self) -> RefusalCounts {
+        let ranks = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        Refusal::ALL
+            .into_iter()
+            .map(|reason| {
+                let reported = ranks
+                    .values()
+                    .flatten()
+                    .filter(|(r, _)| *r == reason)
+                    .fold(0u64, |sum, (_, n)| sum.saturating_add(*n));
+                (reason, self.own.get(reason).saturating_add(reported))
+            })
+            .collect()
     }
 }
 
@@ -416,6 +478,21 @@ mod tests {
         gate.leave(b);
         assert!(gate.is_empty());
         assert_eq!(gate.unproven_len(), 0);
+    }
+
+    #[test]
+    fn a_group_totals_its_own_refusals_and_what_each_rank_last_reported() {
+        let group = GroupRefusals::default();
+        group.own.count(Refusal::Token);
+        group.report(1, vec![(Refusal::Token, 5), (Refusal::Crowded, 2)]);
+        group.report(1, vec![(Refusal::Token, 7)]);
+        group.report(2, vec![(Refusal::Token, 1)]);
+        let totals = group.totals();
+        assert_eq!(totals.len(), Refusal::ALL.len());
+        assert!(totals.contains(&(Refusal::Token, 9)));
+        assert!(totals.contains(&(Refusal::Crowded, 0)));
+        assert_eq!(Refusal::named("crowded_out"), Some(Refusal::Crowded));
+        assert_eq!(Refusal::named("nonsense"), None);
     }
 
     #[test]

@@ -53,6 +53,7 @@ fn beat(replica_id: &str) -> proto::Beat {
         step: 0,
         seq: 0,
         manager_address: String::new(),
+        refused: Vec::new(),
     }
 }
 

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::client;
-use crate::gate::{GateLimits, Refusals};
+use crate::gate::{GateLimits, GroupRefusals};
 use crate::lighthouse::{self, LighthouseOptions};
 use crate::manager::{self, ManagerOptions};
 use crate::proto;
@@ -428,7 +428,7 @@ pub struct ManagerServer {
     handle: Mutex<Option<ServerHandle>>,
     #[pyo3(get)]
     address: String,
-    refusals: Refusals,
+    refusals: Arc<GroupRefusals>,
 }
 
 #[pymethods]
@@ -473,7 +473,11 @@ impl ManagerServer {
     /// Requests and connections turned away so far, by reason.
     #[getter]
     fn refused_requests(&self) -> HashMap<&'static str, u64> {
-        self.refusals.snapshot().into_iter().collect()
+        self.refusals
+            .totals()
+            .into_iter()
+            .map(|(reason, n)| (reason.as_str(), n))
+            .collect()
     }
 
     /// Stops serving and closes the group's heartbeat stream. Idempotent.
@@ -531,7 +535,7 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None))]
     #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
@@ -543,6 +547,7 @@ impl ManagerClient {
         shrink_only: bool,
         state_quorum_id: u64,
         torn: bool,
+        state_refused: Option<HashMap<String, u64>>,
     ) -> PyResult<QuorumResult> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
@@ -552,6 +557,11 @@ impl ManagerClient {
             shrink_only,
             state_quorum_id,
             torn,
+            state_refused: state_refused
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(reason, count)| proto::RefusalCount { reason, count })
+                .collect(),
             ..Default::default()
         };
         let client = self.inner.clone();

@@ -79,6 +79,7 @@ fn beat(id: &str) -> proto::Beat {
         step: 0,
         seq: 0,
         manager_address: String::new(),
+        refused: Vec::new(),
     }
 }
 

@@ -1,5 +1,8 @@
 //! Prometheus metrics of the lighthouse, served at `/metrics`.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -8,9 +11,10 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use super::state::Eviction;
-use crate::gate::Refusals;
+use crate::gate::{RefusalCounts, Refusals};
 
 type Labels = Vec<(&'static str, &'static str)>;
+type GroupLabels = Vec<(&'static str, String)>;
 
 pub struct Metrics {
     registry: Registry,
@@ -22,6 +26,10 @@ pub struct Metrics {
     pub heartbeats: Counter,
     pub evictions: Family<Labels, Counter>,
     pub refusals: Refusals,
+    group_refusals: Family<GroupLabels, Counter>,
+    /// What each replica id reported last: its counts are totals since its manager
+    /// server started, so the counters grow by the difference.
+    group_reported: Mutex<HashMap<String, RefusalCounts>>,
 }
 
 impl Metrics {
@@ -37,6 +45,8 @@ impl Metrics {
             heartbeats: Counter::default(),
             evictions: Family::default(),
             refusals: Refusals::default(),
+            group_refusals: Family::default(),
+            group_reported: Mutex::default(),
             registry: Registry::default(),
         };
         registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
@@ -71,6 +81,12 @@ impl Metrics {
             "Requests and connections refused, by reason",
             m.refusals.family(),
         );
+        registry.register(
+            "group_refused_requests",
+            "Requests and connections refused by a replica group's manager server and state \
+             servers, by group and reason",
+            m.group_refusals.clone(),
+        );
         for cause in Eviction::ALL {
             m.evicted_family(cause);
         }
@@ -85,6 +101,32 @@ impl Metrics {
         self.evictions
             .get_or_create(&vec![("cause", cause.as_str())])
             .clone()
+    }
+
+    /// `replica_id` reported `counts`, its totals so far.
+    pub fn group_refused(&self, replica_id: &str, counts: RefusalCounts) {
+        let mut reported = self
+            .group_reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let before = reported.entry(replica_id.to_string()).or_default();
+        for &(reason, count) in &counts {
+            let was = before
+                .iter()
+                .find(|(r, _)| *r == reason)
+                .map_or(0, |(_, n)| *n);
+            // Fewer than before: a restarted group counting from zero again.
+            let grown = if count >= was { count - was } else { count };
+            if grown > 0 {
+                self.group_refusals
+                    .get_or_create(&vec![
+                        ("replica_id", replica_id.to_string()),
+                        ("reason", reason.as_str().into()),
+                    ])
+                    .inc_by(grown);
+            }
+        }
+        *before = counts;
     }
 
     pub fn render(&self) -> String {

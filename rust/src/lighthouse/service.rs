@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::metrics::Metrics;
 use super::state::{Eviction, LighthouseState};
 use crate::door::Ticket;
-use crate::gate::Refusal;
+use crate::gate::{self, Refusal};
 use crate::proto::{self, lighthouse_server::Lighthouse};
 use crate::validate;
 
@@ -265,6 +265,10 @@ impl Lighthouse for LighthouseService {
             None => false,
         };
         acknowledge(first.seq, pulse.lease_quorum());
+        if !first.refused.is_empty() {
+            let counts = gate::counts_from_wire(&first.refused);
+            self.shared.metrics.group_refused(&first.replica_id, counts);
+        }
 
         let shared = self.shared.clone();
         let replica_id = first.replica_id.clone();
@@ -284,6 +288,10 @@ impl Lighthouse for LighthouseService {
                         }
                         if !acknowledge(beat.seq, pulse.lease_quorum()) {
                             return;
+                        }
+                        if !beat.refused.is_empty() {
+                            let counts = gate::counts_from_wire(&beat.refused);
+                            shared.metrics.group_refused(&replica_id, counts);
                         }
                     }
                     Ok(None) | Err(_) => {

@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::JobToken;
 use crate::client::{keep_heartbeat, Lease, LighthouseClient, Progress};
 use crate::door::Door;
-use crate::gate::{GateLimits, Refusals};
+use crate::gate::{self, GateLimits, GroupRefusals};
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
 use crate::{validate, Error};
@@ -165,6 +165,7 @@ struct Shared {
     progress: watch::Sender<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
     lease: watch::Receiver<Option<Lease>>,
+    refusals: Arc<GroupRefusals>,
 }
 
 impl Shared {
@@ -337,6 +338,9 @@ impl Manager for ManagerService {
         )?;
         validate::address("state address", &req.state_address)?;
         validate::quorum_id("state_quorum_id", req.state_quorum_id)?;
+        shared
+            .refusals
+            .report(req.group_rank, gate::counts_from_wire(&req.state_refused));
 
         let (reply, answer) = oneshot::channel();
         let complete = {
@@ -554,7 +558,7 @@ pub struct ManagerHandle {
     pub server: ServerHandle,
     pub address: String,
     /// Requests and connections turned away, by reason.
-    pub refusals: Refusals,
+    pub refusals: Arc<GroupRefusals>,
 }
 
 /// Starts a group's manager server on the current tokio runtime.
@@ -568,6 +572,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (progress, progress_rx) = watch::channel(Progress::default());
     let (events, _) = broadcast::channel(64);
     let (lease, lease_rx) = watch::channel(None);
+    let refusals = Arc::new(GroupRefusals::default());
     let (listener, bound) = server::bind(&options.bind).await?;
     let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
     let shared = Arc::new(Shared {
@@ -578,6 +583,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         progress,
         events: events.clone(),
         lease: lease_rx,
+        refusals: refusals.clone(),
     });
     let (shutdown, mut stopping) = watch::channel(false);
     let grpc = ManagerServer::new(ManagerService {
@@ -586,8 +592,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
-    let refusals = Refusals::default();
-    let door = Door::new(options.connections, refusals.clone());
+    let door = Door::new(options.connections, refusals.own.clone());
     let mut handle = server::spawn(listener, Routes::new(grpc), shutdown, door);
     let heartbeat = keep_heartbeat(
         lighthouse,
@@ -597,6 +602,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         progress_rx,
         events,
         lease,
+        refusals.clone(),
     );
     // A stopping server closes its heartbeat stream at once, so that the lighthouse
     // and the other groups learn now, not after the shutdown grace.
