@@ -37,6 +37,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         join_timeout: JOIN_TIMEOUT,
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         token: JobToken::default(),
+        insecure: false,
     }
 }
 

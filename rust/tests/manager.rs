@@ -29,6 +29,7 @@ async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        insecure: false,
     })
     .await
     .expect("lighthouse starts")
@@ -344,6 +345,7 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        insecure: false,
     })
     .await
     .expect("lighthouse starts on the old address");
@@ -440,6 +442,7 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
+        insecure: false,
     })
     .await
     .expect("a new lighthouse binds the same port");
