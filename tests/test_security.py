@@ -5,13 +5,14 @@ keep serving afterwards."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
 
 import phalanx
 
-from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get
+from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get, write_token_file
 
 TOKEN = "s3cret-token"
 
@@ -132,3 +133,12 @@ def test_an_address_that_is_not_one_is_a_value_error():
         phalanx.LighthouseClient("not an address")
     with pytest.raises(ValueError, match="host:port"):
         phalanx.ManagerClient("not an address")
+
+
+def test_a_manager_refuses_a_token_file_others_can_read(tmp_path, monkeypatch):
+    path = write_token_file(tmp_path / "job.token", "s3cret", mode=0o644)
+    monkeypatch.setenv("PHALANX_TOKEN_FILE", str(path))
+    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+
+    with pytest.raises(ValueError, match=f"has mode 0644.*chmod 600 {re.escape(str(path))}"):
+        phalanx.Manager(replica_id="a", lighthouse="127.0.0.1:1")
