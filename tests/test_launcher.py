@@ -151,6 +151,25 @@ def test_a_token_file_that_should_not_be_trusted_stops_the_launcher(
     assert not reports(done.stdout), "no rank started"
 
 
+def test_without_a_token_a_launcher_does_not_join_a_lighthouse_that_requires_one():
+    with phalanx.LighthouseServer(token="the-jobs-token") as lighthouse:
+        done = launch("--lighthouse", lighthouse.address, "--", RANK, "0", "0")
+
+    assert done.returncode == 2
+    assert f"the lighthouse at {lighthouse.address} requires the job token" in done.stderr
+    assert not reports(done.stdout), "no rank started"
+
+
+def test_a_launcher_joining_an_open_lighthouse_warns_that_its_token_is_its_own():
+    with phalanx.LighthouseServer() as lighthouse:
+        done = launch("--lighthouse", lighthouse.address, "--", RANK, "0", "0")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "requires no token; this launcher made one for its own groups" in done.stdout
+    [(_, rank)] = reports(done.stdout)
+    assert len(rank["PHALANX_TOKEN"]) >= 43
+
+
 def test_a_failing_group_is_restarted_with_backoff_then_given_up():
     done = launch("--max-restarts", "2", "--restart-backoff", "0.05", "--", RANK, "0", "3")
 

@@ -549,7 +549,36 @@ def main(argv: list[str]) -> int:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     try:
         Chaos.parse(args.chaos)
-        token = job_token(args, os.environ)
+        token = resolve_token(args.token, args.token_file, os.environ)
     except ValueError as e:
         parser.error(str(e))
-    return Launcher(args, command, token).run()
+    if token is None and args.lighthouse:
+        admits = lighthouse_admits_anyone(args.lighthouse)
+        if admits is False:
+            parser.error(
+                f"the lighthouse at {args.lighthouse} requires the job token; give this "
+                "launcher the same one: --token-file FILE (or PHALANX_TOKEN_FILE)"
+            )
+        if admits:
+            print(
+                f"[phalanx run] the lighthouse at {args.lighthouse} requires no token; this "
+                "launcher made one for its own groups, which the groups of other launchers "
+                "will not have: they cannot heal from one another. For a job over several "
+                "launchers, give the lighthouse and each launcher the same --token-file "
+                "FILE (written once by `phalanx token FILE`)",
+                flush=True,
+            )
+    return Launcher(args, command, token or new_token()).run()
+
+
+def lighthouse_admits_anyone(address: str) -> bool | None:
+    """Whether the lighthouse at `address` serves callers without a token; None when
+    it cannot be reached now (the groups will wait for it)."""
+    client = _core.LighthouseClient(address, connect_timeout=2.0)
+    try:
+        client.status(timeout=2.0)
+    except PermissionError:
+        return False
+    except (ConnectionError, TimeoutError):
+        return None
+    return True
