@@ -226,7 +226,7 @@ def test_a_token_and_a_token_file_together_are_refused(tmp_path):
 
 
 def test_phalanx_token_writes_a_private_token_file_and_keeps_an_existing_one(tmp_path):
-    path = tmp_path / "job.token"
+    path = tmp_path / "new-folder" / "job.token"
 
     done = phalanx_cli("token", str(path))
 
@@ -236,7 +236,7 @@ def test_phalanx_token_writes_a_private_token_file_and_keeps_an_existing_one(tmp
     assert len(token) >= 43
     assert token not in done.stdout + done.stderr
     assert resolve_token(None, path, {}) == token
-    assert [p.name for p in tmp_path.iterdir()] == ["job.token"], "no temporary file left"
+    assert [p.name for p in path.parent.iterdir()] == ["job.token"], "no temporary file left"
 
     again = phalanx_cli("token", str(path))
     assert again.returncode == 1

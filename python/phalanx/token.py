@@ -65,9 +65,9 @@ def resolve_token(
 
 
 def write_token_file(path: str | os.PathLike[str], force: bool = False) -> None:
-    """Writes a new token to `path`, readable by its owner only (mode 0600). The file
-    appears whole or not at all; an existing one is kept unless `force`, since the
-    jobs that use it would be locked out.
+    """Writes a new token to `path`, readable by its owner only (mode 0600), making its
+    folder (mode 0700) if need be. The file appears whole or not at all; an existing
+    one is kept unless `force`, since the jobs that use it would be locked out.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -85,6 +85,7 @@ def write_token_file(path: str | os.PathLike[str], force: bool = False) -> None:
     True
     """
     path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Written under a temporary name in the same folder, then linked or renamed into
     # place: a reader never sees half a token, and a link never replaces a file.
     fd, temporary = _private_temporary(path)
