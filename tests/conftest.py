@@ -342,3 +342,10 @@ def proxy() -> Iterator[Callable[[str], Proxy]]:
     finally:
         for p in proxies:
             p.close()
+
+
+def write_token_file(path: Path, text: str, mode: int = 0o600) -> Path:
+    """A job token file holding `text`, with `mode`."""
+    path.write_text(text)
+    path.chmod(mode)
+    return path

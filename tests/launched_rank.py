@@ -14,6 +14,8 @@ keys = (
     "WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "PHALANX_TOKEN",
+    "PHALANX_TOKEN_FILE",
 )
 print(json.dumps({"pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}), flush=True)
 time.sleep(float(sys.argv[1]))

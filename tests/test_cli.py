@@ -12,18 +12,28 @@ from pathlib import Path
 import pytest
 
 import phalanx
+from phalanx.token import resolve_token
 
-from conftest import HEARTBEAT_TIMEOUT, JOIN_TIMEOUT, child_env, cpu_seconds, http_get
+from conftest import (
+    HEARTBEAT_TIMEOUT,
+    JOIN_TIMEOUT,
+    child_env,
+    cpu_seconds,
+    http_get,
+    write_token_file,
+)
 
 
-def phalanx_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+def phalanx_cli(
+    *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Runs `python -m phalanx ARGS` to completion."""
     return subprocess.run(
         [sys.executable, "-m", "phalanx", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         stdin=subprocess.DEVNULL,
     )
 
@@ -37,7 +47,15 @@ def test_help_lists_the_commands():
 def test_lighthouse_help_lists_every_option():
     done = phalanx_cli("lighthouse", "--help")
     assert done.returncode == 0
-    for option in ("--bind", "--min-replicas", "--join-timeout", "--heartbeat-timeout", "--token"):
+    for option in (
+        "--bind",
+        "--min-replicas",
+        "--join-timeout",
+        "--heartbeat-timeout",
+        "--token",
+        "--token-file",
+        "--insecure",
+    ):
         assert option in done.stdout
 
 
@@ -145,3 +163,87 @@ def test_the_token_can_come_from_the_environment(start_lighthouse_cli):
         phalanx.LighthouseClient(address).status(timeout=2.0)
     assert phalanx.LighthouseClient(address, token="from-env").status(timeout=2.0).quorum_id == 0
     assert http_get(f"http://{address}/status")[0] == 401
+
+
+def test_a_lighthouse_other_hosts_can_reach_refuses_to_start_without_a_token():
+    done = phalanx_cli("lighthouse", "--bind", "0.0.0.0:0")
+
+    assert done.returncode != 0
+    assert "refusing to serve the lighthouse on 0.0.0.0:0 without a job token" in done.stderr
+    for fix in ("--token-file FILE", "--bind 127.0.0.1:0", "--insecure"):
+        assert fix in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_insecure_lighthouse_serves_every_interface_without_a_token(start_lighthouse_cli):
+    _, address = start_lighthouse_cli("0.0.0.0:0", "--insecure")
+
+    port = address.rsplit(":", 1)[1]
+    assert phalanx.LighthouseClient(f"127.0.0.1:{port}").status(timeout=2.0).quorum_id == 0
+
+
+def test_a_lighthouse_with_a_token_file_serves_every_interface(start_lighthouse_cli, tmp_path):
+    token = "from-a-file"
+    path = write_token_file(tmp_path / "job.token", token + "\n")
+    _, address = start_lighthouse_cli("0.0.0.0:0", env={"PHALANX_TOKEN_FILE": str(path)})
+
+    local = f"127.0.0.1:{address.rsplit(':', 1)[1]}"
+    with pytest.raises(PermissionError):
+        phalanx.LighthouseClient(local).status(timeout=2.0)
+    assert phalanx.LighthouseClient(local, token=token).status(timeout=2.0).quorum_id == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "expected"),
+    [
+        ("s3cret\n", 0o644, "has mode 0644"),
+        ("s3cret\n", 0o640, "has mode 0640"),
+        ("", 0o600, "is empty"),
+        ("s3\x07cret\n", 0o600, "not printable ASCII"),
+    ],
+)
+def test_the_lighthouse_refuses_a_token_file_it_should_not_trust(tmp_path, text, mode, expected):
+    path = write_token_file(tmp_path / "job.token", text, mode)
+
+    done = phalanx_cli("lighthouse", "--bind", "127.0.0.1:0", "--token-file", str(path))
+
+    assert done.returncode != 0
+    assert expected in done.stderr and str(path) in done.stderr
+    if mode != 0o600:
+        assert f"chmod 600 {path}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_token_and_a_token_file_together_are_refused(tmp_path):
+    path = write_token_file(tmp_path / "job.token", "s3cret")
+
+    done = phalanx_cli(
+        "lighthouse", "--bind", "127.0.0.1:0", "--token", "t", "--token-file", str(path)
+    )
+
+    assert done.returncode != 0
+    assert "both --token and --token-file are given" in done.stderr
+
+
+def test_phalanx_token_writes_a_private_token_file_and_keeps_an_existing_one(tmp_path):
+    path = tmp_path / "new-folder" / "job.token"
+
+    done = phalanx_cli("token", str(path))
+
+    assert done.returncode == 0, done.stderr
+    assert path.stat().st_mode & 0o777 == 0o600
+    token = path.read_text().strip()
+    assert len(token) >= 43
+    assert token not in done.stdout + done.stderr
+    assert resolve_token(None, path, {}) == token
+    assert [p.name for p in path.parent.iterdir()] == ["job.token"], "no temporary file left"
+
+    again = phalanx_cli("token", str(path))
+    assert again.returncode == 1
+    assert "already exists; pass --force" in again.stderr
+    assert path.read_text().strip() == token
+
+    forced = phalanx_cli("token", str(path), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert path.read_text().strip() != token
+    assert path.stat().st_mode & 0o777 == 0o600

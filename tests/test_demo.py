@@ -12,7 +12,7 @@ import pytest
 from phalanx.demo.job import EXIT_DIVERGED, exit_status
 from phalanx.demo.report import analyze
 
-from conftest import TESTS, child_env
+from conftest import TESTS, child_env, write_token_file
 
 REPORT_FIELDS = {
     "steps_attempted",
@@ -44,9 +44,11 @@ STEP_FIELDS = {
 @pytest.mark.slow
 def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     out = tmp_path / "demo"
+    token = "demo-token-kept-out-of-the-report-folder"
+    token_file = write_token_file(tmp_path / "job.token", token)
     done = subprocess.run(
         [sys.executable, "-m", "phalanx", "demo", "--duration", "30", "--kill-every", "10"]
-        + ["--out", str(out)],
+        + ["--out", str(out), "--token-file", str(token_file)],
         capture_output=True,
         text=True,
         timeout=110,
@@ -54,6 +56,9 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
         cwd=TESTS.parent,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    # The folder's files may be read by others: the token is in none of them.
+    assert [f.name for f in out.iterdir() if token.encode() in f.read_bytes()] == []
+    assert "status page http://" in (out / "ranks.log").read_text()
 
     report = json.loads((out / "report.json").read_text())
     assert report.keys() >= REPORT_FIELDS
@@ -68,6 +73,24 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert len(steps) >= report["steps_attempted"]
     assert all(s.keys() >= STEP_FIELDS for s in steps)
     assert "replicas bit-identical" in done.stdout
+
+
+def test_the_demo_refuses_a_token_file_others_can_read(tmp_path):
+    token_file = write_token_file(tmp_path / "job.token", "s3cret", mode=0o644)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--token-file", str(token_file)]
+        + ["--out", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+
+    assert done.returncode == 2
+    assert f"chmod 600 {token_file}" in done.stderr
+    assert not (tmp_path / "demo").exists(), "refused before anything started"
 
 
 def record(replica, pid, step, t, committed=True, fingerprint=None, participants=2, quorum_id=1):

@@ -12,6 +12,7 @@ MODULES = [
     "phalanx",
     "phalanx.manager",
     "phalanx.launcher",
+    "phalanx.token",
     "phalanx.recovery",
     "phalanx.process_group",
     "phalanx.data",

@@ -10,9 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+import phalanx
 from phalanx.launcher import rank_mode, resolve
 
-from conftest import TESTS, child_env
+from conftest import TESTS, child_env, http_get, write_token_file
 
 RANK = str(TESTS / "launched_rank.py")
 
@@ -74,6 +77,99 @@ def test_every_rank_gets_its_environment_and_a_prefixed_output():
         assert env["PHALANX_LIGHTHOUSE"].startswith("127.0.0.1:")
     ports = {env["PHALANX_REPLICA_ID"]: env["MASTER_PORT"] for _, env in seen}
     assert ports["group0"] != ports["group1"], "each group has its own store"
+
+
+def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires():
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    try:
+        seen: list[dict] = []
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 2:
+            assert time.monotonic() < deadline, "".join(lines)
+            lines.append(launcher.stdout.readline())
+            seen += [env for _, env in reports(lines[-1])]
+        tokens = {env["PHALANX_TOKEN"] for env in seen}
+        assert len(tokens) == 1 and len(token := tokens.pop()) >= 43, "one random job token"
+        # Not a terminal: the launcher's status page line leaves the token out.
+        own = [line for line in lines if line.startswith("[phalanx run]")]
+        assert any("status page http://" in line for line in own), lines
+        assert not any(token in line for line in own)
+        lighthouse = seen[0]["PHALANX_LIGHTHOUSE"]
+        with pytest.raises(PermissionError, match="missing or wrong job token"):
+            phalanx.LighthouseClient(lighthouse).status(timeout=2.0)
+        status = phalanx.LighthouseClient(lighthouse, token=token).status(timeout=2.0)
+        assert status.heartbeat_timeout_ms > 0
+        # The link a terminal is shown opens the status page.
+        assert http_get(f"http://{lighthouse}/?token={token}")[0] == 200
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(15) == 130
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+
+
+def test_a_token_file_reaches_the_ranks_as_the_token(tmp_path):
+    path = write_token_file(tmp_path / "job.token", "from-a-file\n")
+    env = {**child_env(), "PHALANX_TOKEN_FILE": str(path)}
+
+    done = launch("--", RANK, "0", "0", env=env)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    [(_, rank)] = reports(done.stdout)
+    assert rank["PHALANX_TOKEN"] == "from-a-file"
+    assert rank["PHALANX_TOKEN_FILE"] is None, "the rank gets the token, not the file"
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "flags", "expected"),
+    [
+        ("s3cret", 0o644, [], "has mode 0644: users other than its owner"),
+        ("\n", 0o600, [], "is empty"),
+        ("s3cret", 0o600, ["--token", "t"], "both --token and --token-file are given"),
+    ],
+)
+def test_a_token_file_that_should_not_be_trusted_stops_the_launcher(
+    tmp_path, text, mode, flags, expected
+):
+    path = write_token_file(tmp_path / "job.token", text, mode)
+
+    done = launch("--token-file", str(path), *flags, "--", RANK, "0", "0")
+
+    assert done.returncode == 2
+    assert expected in done.stderr
+    if mode != 0o600:
+        assert f"chmod 600 {path}" in done.stderr
+    assert not reports(done.stdout), "no rank started"
+
+
+def test_without_a_token_a_launcher_does_not_join_an_outside_lighthouse():
+    # A token made up by one launcher would split a job of several launchers.
+    with phalanx.LighthouseServer() as lighthouse:
+        done = launch("--lighthouse", lighthouse.address, "--", RANK, "0", "0")
+
+    assert done.returncode == 2
+    assert f"joining the lighthouse at {lighthouse.address} takes the job's token" in done.stderr
+    assert "--token-file FILE" in done.stderr
+    assert not reports(done.stdout), "no rank started"
+
+
+def test_insecure_joins_an_open_lighthouse_without_a_token_and_says_so():
+    with phalanx.LighthouseServer() as lighthouse:
+        done = launch("--lighthouse", lighthouse.address, "--insecure", "--", RANK, "0", "0")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--insecure: no job token" in done.stdout
+    [(_, rank)] = reports(done.stdout)
+    assert rank["PHALANX_TOKEN"] is None
 
 
 def test_a_failing_group_is_restarted_with_backoff_then_given_up():

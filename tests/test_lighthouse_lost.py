@@ -66,6 +66,7 @@ def test_phalanx_run_ends_non_zero_when_its_lighthouse_is_gone(spawn, start_ligh
             address,
             "--replica-id",
             "solo",
+            "--insecure",
             "--",
             TRAIN,
             "--steps",

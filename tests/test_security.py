@@ -5,13 +5,14 @@ keep serving afterwards."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
 
 import phalanx
 
-from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get, wait_until
+from conftest import HEARTBEAT_INTERVAL, JOIN_TIMEOUT, http_get, wait_until, write_token_file
 
 TOKEN = "s3cret-token"
 
@@ -155,3 +156,12 @@ def test_a_groups_refusals_reach_the_lighthouses_metrics(locked):
             5.0,
             "the group's refusals in the lighthouse's metrics",
         )
+
+
+def test_a_manager_refuses_a_token_file_others_can_read(tmp_path, monkeypatch):
+    path = write_token_file(tmp_path / "job.token", "s3cret", mode=0o644)
+    monkeypatch.setenv("PHALANX_TOKEN_FILE", str(path))
+    monkeypatch.delenv("PHALANX_TOKEN", raising=False)
+
+    with pytest.raises(ValueError, match=f"has mode 0644.*chmod 600 {re.escape(str(path))}"):
+        phalanx.Manager(replica_id="a", lighthouse="127.0.0.1:1")

@@ -161,6 +161,9 @@ class LighthouseServer:
     >>> with LighthouseServer(bind="127.0.0.1:0") as lighthouse:
     ...     lighthouse.status_url.startswith("http://127.0.0.1:")
     True
+    >>> LighthouseServer(bind="0.0.0.0:0")
+    Traceback (most recent call last):
+    ValueError: refusing to serve the lighthouse on 0.0.0.0:0 without a job token: ...
     """
 
     def __init__(
@@ -170,7 +173,10 @@ class LighthouseServer:
         join_timeout: float = 1.0,
         heartbeat_timeout: float = 2.0,
         token: str | None = None,
-    ) -> None: ...
+        insecure: bool = False,
+    ) -> None:
+        """Serves at `bind`. Without `token`, an address other hosts can reach (the
+        wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`."""
     @property
     def address(self) -> str:
         """host:port for clients."""
@@ -290,6 +296,17 @@ class ManagerClient:
 
 def run_lighthouse_cli(argv: list[str]) -> int:
     """`phalanx lighthouse ARGS…`: serves until SIGINT/SIGTERM; returns the exit code."""
+
+def resolve_token(
+    token: str | None = None,
+    token_file: str | None = None,
+    env_token: str | None = None,
+    env_token_file: str | None = None,
+) -> str | None:
+    """The job token given by `token` or `token_file`, else by `env_token` or
+    `env_token_file` (PHALANX_TOKEN, PHALANX_TOKEN_FILE); None when none is. ValueError
+    for both of a pair, a token file others can read or that is not this user's, an
+    empty one, or a token that is not printable ASCII. See `phalanx.token`."""
 
 def bench_quorum_rounds(
     address: str,

@@ -2,9 +2,11 @@
 
 phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out DIR]
 phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
-                   [--heartbeat-timeout 2s] [--token TOKEN]
+                   [--heartbeat-timeout 2s] [--token-file FILE] [--insecure]
 phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
-            [--max-restarts K] [--chaos kill-every=15s] -- train.py ARGS...
+            [--token-file FILE] [--max-restarts K] [--chaos kill-every=15s]
+            -- train.py ARGS...
+phalanx token FILE [--force]
 """
 
 from __future__ import annotations
@@ -32,10 +34,17 @@ def _demo(args: list[str]) -> int:
     return job.main(args)
 
 
+def _token(args: list[str]) -> int:
+    from phalanx import token
+
+    return token.main(args)
+
+
 COMMANDS = {
     "demo": (_demo, "train a small model through a failure every 15 s; report the result"),
     "lighthouse": (_lighthouse, "run a job's lighthouse (quorum, liveness, status page)"),
     "run": (_run, "start replica groups of a training script, restart failed ones"),
+    "token": (_token, "write a new job token to a file only you can read"),
 }
 
 

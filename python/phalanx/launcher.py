@@ -7,8 +7,11 @@ Each group gets W rank processes with the usual environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR/MASTER_PORT for the group's own store) and PHALANX_* for the
 job. Without --lighthouse, the launcher serves one itself; with it, the groups join
 that job, which is how a multi-host job is started (one `phalanx run --replicas 1
---replica-id …` per host). A group is all or nothing: when one of its ranks dies, the
-rest are stopped and the group restarts (with backoff, up to --max-restarts times).
+--replica-id … --token-file FILE` per host, FILE written once by `phalanx token`). A
+job always has a token: without --token or --token-file (or PHALANX_TOKEN /
+PHALANX_TOKEN_FILE) the launcher makes a random one, for its lighthouse and ranks.
+A group is all or nothing: when one of its ranks dies, the rest are stopped and the
+group restarts (with backoff, up to --max-restarts times).
 Python ranks are forked by a fork server that imported torch once (phalanx.forkserver),
 so a restarted rank starts at once: `python -m module` or `python train.py`, where
 PATH finds that `python` to be the launcher's own interpreter. The log's "ranks:" line
@@ -29,10 +32,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from phalanx import _core
 from phalanx.forkserver import ForkServer, die_with_parent, runnable
+from phalanx.token import new_token, resolve_token
 
 
 def parse_duration(text: str) -> float:
@@ -77,6 +82,37 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
     return False, (
         f"plain processes ({' '.join(command[:2])} is not `python -m MODULE` or "
         f"`python SCRIPT.py` run by this launcher's interpreter, {sys.executable})"
+    )
+
+
+def job_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The job's token: the one given (--token, --token-file, PHALANX_TOKEN,
+    PHALANX_TOKEN_FILE), else a new random one, so that no job runs open. ValueError
+    (what to fix) for a token given wrong.
+
+    >>> args = argparse.Namespace(token=None, token_file=None)
+    >>> job_token(args, {"PHALANX_TOKEN": "given"})
+    'given'
+    >>> len(job_token(args, {})) >= 43
+    True
+    """
+    return resolve_token(args.token, args.token_file, environ) or new_token()
+
+
+def status_page_line(url: str, token: str, terminal: bool) -> str:
+    """Where the status page is. The link carries the token where the output is a
+    terminal; elsewhere output tends to land in logs that others can read.
+
+    >>> status_page_line("http://127.0.0.1:4000/", "s3cret", terminal=True)
+    'status page http://127.0.0.1:4000/?token=s3cret'
+    >>> status_page_line("http://127.0.0.1:4000/", "s3cret", terminal=False)
+    'status page http://127.0.0.1:4000/?token=JOB_TOKEN (the token is shown on a ...'
+    """
+    if terminal:
+        return f"status page {url}?token={token}"
+    return (
+        f"status page {url}?token=JOB_TOKEN (the token is shown on a terminal only; "
+        "give one with --token-file to know it)"
     )
 
 
@@ -145,9 +181,12 @@ def _free_port() -> int:
 
 
 class Launcher:
-    def __init__(self, args: argparse.Namespace, command: list[str]):
+    def __init__(self, args: argparse.Namespace, command: list[str], token: str | None):
         self.args = args
         self.command = command
+        #: The job token, given or made up (`job_token`): every rank and the embedded
+        #: lighthouse get it. None only with --insecure and an outside lighthouse.
+        self.token = token
         self.rng = random.Random(args.chaos_seed)
         self.chaos = Chaos.parse(args.chaos)
         self.lighthouse_server: _core.LighthouseServer | None = None
@@ -166,6 +205,10 @@ class Launcher:
 
     def say(self, text: str) -> None:
         print(f"[phalanx run] {text}", flush=True)
+
+    def show_status_page(self, url: str) -> None:
+        """Tells where the embedded lighthouse's status page is."""
+        self.say(status_page_line(url, self.token, terminal=sys.stdout.isatty()))
 
     def trains(self) -> bool:
         """Whether the job trains yet: the clocks of --chaos and of `run(duration)`
@@ -211,9 +254,11 @@ class Launcher:
         port = _free_port()
         world = self.args.nproc_per_replica
         group.procs = []
+        # The token reaches the ranks as text; a token file of the launcher's, too.
+        inherited = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
         for rank in range(world):
             env = {
-                **os.environ,
+                **inherited,
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world),
@@ -223,8 +268,8 @@ class Launcher:
                 "PHALANX_REPLICA_ID": group.replica_id,
                 "PYTHONUNBUFFERED": "1",
             }
-            if self.args.token:
-                env["PHALANX_TOKEN"] = self.args.token
+            if self.token is not None:
+                env["PHALANX_TOKEN"] = self.token
             output = _Output(group, rank)
             group.procs.append(self._fork(env, output) or self._spawn(env, output))
         how = "forked" if self.fork_server is not None else "new processes"
@@ -329,7 +374,7 @@ class Launcher:
         same void."""
         if self.lighthouse_server is not None:
             return True
-        client = _core.LighthouseClient(self.lighthouse, token=self.args.token, connect_timeout=2.0)
+        client = _core.LighthouseClient(self.lighthouse, token=self.token, connect_timeout=2.0)
         try:
             client.status(timeout=2.0)
         except (ConnectionError, TimeoutError):
@@ -393,12 +438,11 @@ class Launcher:
                 min_replicas=self.args.min_replicas,
                 join_timeout=self.args.join_timeout,
                 heartbeat_timeout=self.args.heartbeat_timeout,
-                token=self.args.token,
+                token=self.token,
             )
             self.lighthouse = self.lighthouse_server.address
-            self.say(
-                f"lighthouse at {self.lighthouse}; status page {self.lighthouse_server.status_url}"
-            )
+            self.say(f"lighthouse at {self.lighthouse}")
+            self.show_status_page(self.lighthouse_server.status_url)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self.command = resolve(self.command)
@@ -464,7 +508,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--join-timeout", type=parse_duration, default=1.0)
     parser.add_argument("--heartbeat-timeout", type=parse_duration, default=2.0)
-    parser.add_argument("--token", default=os.environ.get("PHALANX_TOKEN"))
+    parser.add_argument(
+        "--token",
+        help="the job token (default: PHALANX_TOKEN, else a new random one); other "
+        "users of this host can see it in the process list: prefer --token-file",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="read the job token from FILE, readable by its owner only (default: "
+        "PHALANX_TOKEN_FILE); `phalanx token FILE` writes one",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --lighthouse and no token: run this launcher's groups without one",
+    )
     parser.add_argument("--master-addr", default="127.0.0.1", help="host of the groups' stores")
     parser.add_argument(
         "--chaos", action="append", default=[], help="kill-every=15s, hang-every=…,hang-for=…"
@@ -496,6 +555,24 @@ def main(argv: list[str]) -> int:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     try:
         Chaos.parse(args.chaos)
+        token = resolve_token(args.token, args.token_file, os.environ)
     except ValueError as e:
         parser.error(str(e))
-    return Launcher(args, command).run()
+    if token is None and args.lighthouse:
+        # A job joined through an outside lighthouse has one token, shared by all its
+        # launchers: a token made up here would split the job.
+        if not args.insecure:
+            parser.error(
+                f"joining the lighthouse at {args.lighthouse} takes the job's token, the same "
+                "for every launcher of the job: --token-file FILE or PHALANX_TOKEN_FILE "
+                "(write one with `phalanx token FILE`); --insecure runs this launcher's "
+                "groups without one, open to anyone who can reach them"
+            )
+        print(
+            "[phalanx run] --insecure: no job token; anyone who can reach these groups can "
+            "read and replace the model",
+            flush=True,
+        )
+    elif token is None:
+        token = new_token()
+    return Launcher(args, command, token).run()

@@ -47,6 +47,7 @@ from phalanx.process_group import (
     backend_for,
     gloo_group,
 )
+from phalanx.token import resolve_token
 
 log = logging.getLogger("phalanx.manager")
 
@@ -274,7 +275,7 @@ class Manager:
                 f"group rank {self.group_rank} is outside a group of {self.group_world_size} "
                 "ranks; check RANK and WORLD_SIZE"
             )
-        self._token = token or _env("PHALANX_TOKEN")
+        self._token = resolve_token(token, None, os.environ)
         advertise_host = advertise_host or _env("PHALANX_ADVERTISE_HOST")
         store_addr = store_addr or _env("MASTER_ADDR", "127.0.0.1")
         port = store_port if store_port is not None else int(_env("MASTER_PORT", "0") or 0)

@@ -1,11 +1,12 @@
 //! The standalone lighthouse's command line, shared by the `phalanx-lighthouse`
 //! binary and the `phalanx lighthouse` subcommand of the Python CLI.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
 
-use crate::auth::JobToken;
+use crate::auth::{self, JobToken, TokenSource};
 use crate::gate::GateLimits;
 use crate::lighthouse::{self, LighthouseOptions};
 use crate::Error;
@@ -28,22 +29,55 @@ pub struct LighthouseArgs {
     /// How long a connected group may stay silent before it is declared dead.
     #[arg(long, env = "PHALANX_HEARTBEAT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub heartbeat_timeout: Duration,
-    /// Job token; with it set, every request without it is refused.
-    #[arg(long, env = "PHALANX_TOKEN", hide_env_values = true)]
+    /// Job token; with it set, every request without it is refused. Visible to other
+    /// users of this host in the process list: prefer --token-file. [env: PHALANX_TOKEN]
+    #[arg(long)]
     pub token: Option<String>,
+    /// File that holds the job token; only its owner may read it (chmod 600).
+    /// `phalanx token FILE` writes one. [env: PHALANX_TOKEN_FILE]
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Serve without a token on an address other hosts can reach; without this, the
+    /// lighthouse refuses to. Only on a network where you trust every host.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl LighthouseArgs {
-    pub fn options(&self) -> LighthouseOptions {
-        LighthouseOptions {
+    /// The options these arguments give, `environment` (a variable's value by name)
+    /// filling in the token where no flag gives one.
+    pub fn options(
+        &self,
+        environment: impl Fn(&str) -> Option<String>,
+    ) -> Result<LighthouseOptions, Error> {
+        let env_token = environment("PHALANX_TOKEN");
+        let env_token_file = environment("PHALANX_TOKEN_FILE").map(PathBuf::from);
+        let token = auth::resolve_token(
+            TokenSource {
+                token: self.token.as_deref(),
+                file: self.token_file.as_deref(),
+            },
+            TokenSource {
+                token: env_token.as_deref(),
+                file: env_token_file.as_deref(),
+            },
+        )?;
+        Ok(LighthouseOptions {
             bind: self.bind.clone(),
             min_replicas: self.min_replicas,
             join_timeout: self.join_timeout,
             heartbeat_timeout: self.heartbeat_timeout,
-            token: JobToken::new(self.token.clone()),
+            token: JobToken::new(token),
+            insecure: self.insecure,
             connections: GateLimits::RPC,
-        }
+        })
     }
+}
+
+/// A variable of this process's environment; one that is not Unicode is kept, with
+/// its odd bytes replaced, for the token check to refuse it by name.
+pub fn process_environment(name: &str) -> Option<String> {
+    std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
 }
 
 /// Parses "1.5", "1.5s", "250ms", "2m" into a duration; a bare number is seconds.
@@ -70,14 +104,22 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 
 /// Serves until SIGINT or SIGTERM, then shuts down cleanly.
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
-    let handle = lighthouse::serve(args.options()).await?;
+    let options = args.options(process_environment)?;
+    let token_set = options.token.is_set();
+    let handle = lighthouse::serve(options).await?;
     // Listen for the signals before announcing the address: a supervisor may signal
     // as soon as it reads the line, and a signal before this would kill the process
     // (SIGTERM) or be lost (SIGINT).
     let stop = shutdown_signal();
     let addr = handle.local_addr();
     let shown = crate::server::advertised_address(addr, None);
-    println!("phalanx lighthouse listening on {addr}; status page: http://{shown}/");
+    // The token stays out of the output, which often ends up in shared logs.
+    let query = if token_set {
+        " (add ?token=JOB_TOKEN)"
+    } else {
+        ""
+    };
+    println!("phalanx lighthouse listening on {addr}; status page: http://{shown}/{query}");
     stop.await;
     println!("phalanx lighthouse shutting down");
     handle.shutdown().await;

@@ -267,7 +267,7 @@ pub struct LighthouseServer {
 #[pymethods]
 impl LighthouseServer {
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None, insecure = false))]
     fn new(
         py: Python<'_>,
         bind: &str,
@@ -275,6 +275,7 @@ impl LighthouseServer {
         join_timeout: f64,
         heartbeat_timeout: f64,
         token: Option<String>,
+        insecure: bool,
     ) -> PyResult<Self> {
         let options = LighthouseOptions {
             bind: bind.to_string(),
@@ -283,6 +284,7 @@ impl LighthouseServer {
             heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
             token: JobToken::new(token),
             connections: GateLimits::RPC,
+            insecure,
         };
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
@@ -710,6 +712,32 @@ fn run_lighthouse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     }
 }
 
+/// The job token given by `token` or `token_file`, else by `env_token` or
+/// `env_token_file` (PHALANX_TOKEN, PHALANX_TOKEN_FILE); None when none is. The rules
+/// are the lighthouse command's: one of each pair, a token file only its owner can
+/// read, printable ASCII.
+#[pyfunction]
+#[pyo3(signature = (token = None, token_file = None, env_token = None, env_token_file = None))]
+fn resolve_token(
+    token: Option<String>,
+    token_file: Option<std::path::PathBuf>,
+    env_token: Option<String>,
+    env_token_file: Option<std::path::PathBuf>,
+) -> PyResult<Option<String>> {
+    use crate::auth::TokenSource;
+    crate::auth::resolve_token(
+        TokenSource {
+            token: token.as_deref(),
+            file: token_file.as_deref(),
+        },
+        TokenSource {
+            token: env_token.as_deref(),
+            file: env_token_file.as_deref(),
+        },
+    )
+    .map_err(to_py)
+}
+
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
 /// (seconds from the last request to the last answer, membership changed, quorum id)
 /// for each round.
@@ -773,6 +801,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LighthouseStatus>()?;
     m.add_class::<ReplicaStatus>()?;
     m.add_function(wrap_pyfunction!(run_lighthouse_cli, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve_token, m)?)?;
     m.add_function(wrap_pyfunction!(bench_quorum_rounds, m)?)?;
     m.add_function(wrap_pyfunction!(bench_heartbeats, m)?)?;
     crate::python_state::register(m)?;

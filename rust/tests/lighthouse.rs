@@ -39,6 +39,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
         token: JobToken::default(),
         connections: GateLimits::RPC,
+        insecure: false,
     }
 }
 

@@ -31,6 +31,7 @@ async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
         connections: GateLimits::RPC,
+        insecure: false,
     })
     .await
     .expect("lighthouse starts")
@@ -348,6 +349,7 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
         connections: GateLimits::RPC,
+        insecure: false,
     })
     .await
     .expect("lighthouse starts on the old address");
@@ -445,6 +447,7 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
         heartbeat_timeout: Duration::from_millis(500),
         token: JobToken::default(),
         connections: GateLimits::RPC,
+        insecure: false,
     })
     .await
     .expect("a new lighthouse binds the same port");

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -91,8 +92,15 @@ class DemoJob(launcher.Launcher):
     """The launcher, watching its groups: every step line of a rank goes to the step
     log and the live display, every other line to `ranks.log`."""
 
-    def __init__(self, args: argparse.Namespace, command: list[str], out: Path, progress: Progress):
-        super().__init__(args, command)
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        command: list[str],
+        token: str,
+        out: Path,
+        progress: Progress,
+    ):
+        super().__init__(args, command, token)
         self.out = out
         self.progress = progress
         self.steps: list[dict[str, Any]] = []
@@ -111,6 +119,12 @@ class DemoJob(launcher.Launcher):
 
     def say(self, text: str) -> None:
         self._rank_log.write(f"[phalanx run] {text}\n")
+
+    def show_status_page(self, url: str) -> None:
+        # ranks.log is a file others may read: the token goes to the terminal only.
+        self.say(launcher.status_page_line(url, self.token, terminal=False))
+        if self.progress.tty:
+            self.progress.event(launcher.status_page_line(url, self.token, terminal=True))
 
     def emit(self, group: launcher.Group, rank: int, line: bytes) -> None:
         if line.startswith(b'{"event": "step"'):
@@ -221,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("phalanx-demo"), help="report folder")
     parser.add_argument("--seed", type=int, default=0, help="of the data and the failures")
     parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="the job token, in a file only you can read (default: PHALANX_TOKEN_FILE, "
+        "else a new random token, shown in the status page link on a terminal)",
+    )
+    parser.add_argument(
         "train_args", nargs=argparse.REMAINDER, help="after --: more options of the training"
     )
     return parser
@@ -245,8 +265,13 @@ def main(argv: list[str]) -> int:
             f"--chaos-seed={args.seed}",
             "--max-restarts=3",  # failures not injected: a broken setup gives up soon
             *(f"--chaos={c}" for c in chaos),
+            *([f"--token-file={args.token_file}"] if args.token_file else []),
         ]
     )
+    try:
+        token = launcher.job_token(job_args, os.environ)
+    except ValueError as e:
+        parser.error(str(e))
     train = [a for a in args.train_args if a != "--"]
     command = [
         sys.executable,
@@ -268,7 +293,7 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
     )
-    job = DemoJob(job_args, command, args.out, progress)
+    job = DemoJob(job_args, command, token, args.out, progress)
     try:
         code = job.run(
             duration=args.duration,

@@ -7,13 +7,14 @@ mod pulse;
 mod service;
 pub mod state;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 
-use crate::auth::JobToken;
+use crate::auth::{self, JobToken};
 use crate::door::Door;
 use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
@@ -36,6 +37,8 @@ pub struct LighthouseOptions {
     pub token: JobToken,
     /// Caps on connections (see `gate`).
     pub connections: GateLimits,
+    /// Serve without a token even where other hosts can reach the lighthouse.
+    pub insecure: bool,
 }
 
 impl Default for LighthouseOptions {
@@ -47,6 +50,7 @@ impl Default for LighthouseOptions {
             heartbeat_timeout: Duration::from_secs(2),
             token: JobToken::default(),
             connections: GateLimits::RPC,
+            insecure: false,
         }
     }
 }
@@ -73,6 +77,38 @@ impl LighthouseOptions {
     }
 }
 
+/// Refuses a lighthouse that other hosts could reach without a token (I8): whoever
+/// joins its quorums is sent the job's state and handed its peers' tokens. The bound
+/// address decides, so a host name or the wildcard is judged by what it is.
+fn check_exposure(options: &LighthouseOptions, bound: SocketAddr) -> Result<(), Error> {
+    if options.token.is_set() || !auth::reachable_from_other_hosts(bound.ip()) {
+        return Ok(());
+    }
+    if options.insecure {
+        tracing::warn!(
+            "the lighthouse serves {bound} without a job token (--insecure): anyone who \
+             can reach it can join the job's quorums, and read or replace its model"
+        );
+        return Ok(());
+    }
+    // The port asked for, not the one picked: the fix is to the command as typed.
+    let port = options
+        .bind
+        .rsplit_once(':')
+        .map_or("29510", |(_, port)| port);
+    Err(Error::InvalidConfig(format!(
+        "refusing to serve the lighthouse on {} without a job token: other hosts can \
+         reach it, and anyone who connects could join the job's quorums as a replica \
+         group, stall its training, and read or replace its model. Either give it a \
+         token (--token-file FILE, written once by `phalanx token FILE`; or \
+         PHALANX_TOKEN), or bind loopback for a job on this host only (--bind \
+         127.0.0.1:{port}), or pass --insecure on a network where you trust every host \
+         (from Python: LighthouseServer(token=...), bind=\"127.0.0.1:0\" or \
+         insecure=True)",
+        options.bind
+    )))
+}
+
 /// Starts a lighthouse on the current tokio runtime.
 pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
     options.validate()?;
@@ -83,7 +119,8 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
         },
         options.heartbeat_timeout,
     ));
-    let (listener, _) = server::bind(&options.bind).await?;
+    let (listener, bound) = server::bind(&options.bind).await?;
+    check_exposure(&options, bound)?;
     let (shutdown, shutdown_rx) = watch::channel(false);
     let grpc = LighthouseServer::new(LighthouseService {
         shared: shared.clone(),
