@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -79,7 +81,10 @@ def test_every_rank_gets_its_environment_and_a_prefixed_output():
     assert ports["group0"] != ports["group1"], "each group has its own store"
 
 
-def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires():
+@contextlib.contextmanager
+def two_groups_running() -> Iterator[subprocess.Popen]:
+    """`phalanx run --replicas 2` of ranks that report and sleep a minute; killed at
+    the end of the block if it still runs."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
         stdout=subprocess.PIPE,
@@ -88,6 +93,16 @@ def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires
         cwd=TESTS.parent,
     )
     try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+
+
+def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires():
+    with two_groups_running() as launcher:
         seen: list[dict] = []
         lines: list[str] = []
         deadline = time.monotonic() + 30
@@ -110,11 +125,6 @@ def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires
         assert http_get(f"http://{lighthouse}/?token={token}")[0] == 200
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(15) == 130
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()
 
 
 def test_a_token_file_reaches_the_ranks_as_the_token(tmp_path):
@@ -308,14 +318,7 @@ def test_python_dash_m_on_the_path_is_forked(tmp_path):
 
 
 def test_sigterm_stops_every_rank_and_leaves_no_orphan():
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
-    try:
+    with two_groups_running() as launcher:
         pids = []
         deadline = time.monotonic() + 30
         while len(pids) < 2 and time.monotonic() < deadline:
@@ -327,11 +330,6 @@ def test_sigterm_stops_every_rank_and_leaves_no_orphan():
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(15) == 130
         assert not any(alive(pid) for pid in below), "a process outlived the launcher"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()
 
 
 def test_a_dead_fork_server_is_noticed_at_once_not_spun_on():
