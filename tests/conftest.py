@@ -47,9 +47,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def http_get(url: str, token: str | None = None, timeout: float = 5.0) -> tuple[int, str]:
+def http_get(
+    url: str, token: str | None = None, timeout: float = 5.0, accept: str | None = None
+) -> tuple[int, str]:
     """GET `url`; returns (status, body) for any status, 401 included."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if accept:
+        headers["Accept"] = accept
     request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:

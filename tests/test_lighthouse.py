@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import phalanx
 
@@ -165,6 +169,37 @@ def test_the_status_page_json_and_metrics_are_served_on_the_same_port(lighthouse
     code, body = http_get(f"http://{lighthouse.address}/no-such-page")
     assert code == 404
     assert "/status" in body
+
+
+#: What Prometheus asks for: OpenMetrics first, the older text format as a fallback.
+PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+
+
+def test_metrics_come_in_the_format_the_scraper_asks_for_and_both_parse(lighthouse):
+    with phalanx.ManagerServer("g", lighthouse.address, heartbeat_interval=0.05) as server:
+        client = phalanx.ManagerClient(server.address)
+        client.quorum(0, 0, timeout=5.0, state_refused={"token": 2})
+        metrics = f"http://{lighthouse.address}/metrics"
+        wait_until(lambda: "group_refused" in http_get(metrics)[1], 5.0, "a group's refusals")
+
+        _, openmetrics = http_get(metrics, accept=PROMETHEUS_ACCEPT)
+        _, text = http_get(metrics)
+
+    assert openmetrics.endswith("# EOF\n")
+    families = {f.name: f for f in text_string_to_metric_families(openmetrics)}
+    assert families["phalanx_lighthouse_heartbeats"].type == "counter"
+    assert families["phalanx_lighthouse_group_refused_requests"].samples[0].value == 2
+    assert "# TYPE phalanx_lighthouse_heartbeats_total counter" in text
+    assert "# EOF" not in text
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        assert not os.environ.get("PHALANX_CI"), "CI installs promtool (Debian's prometheus)"
+        pytest.skip("promtool is not installed (Debian: apt install prometheus)")
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_a_waiting_request_ends_promptly_when_the_lighthouse_shuts_down():

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
@@ -71,12 +71,24 @@ async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     Json(value)
 }
 
-async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        shared.metrics.render(),
-    )
+/// OpenMetrics to a scraper that asks for it (Prometheus does), else the older text
+/// format that every other reader (promtool, curl) expects.
+async fn metrics(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> impl IntoResponse {
+    let text = shared.metrics.render();
+    let openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if openmetrics {
+        ([(header::CONTENT_TYPE, OPENMETRICS)], text)
+    } else {
+        (
+            [(header::CONTENT_TYPE, PROMETHEUS_TEXT)],
+            super::metrics::prometheus_text(&text),
+        )
+    }
 }
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -1,6 +1,6 @@
 //! Prometheus metrics of the lighthouse, served at `/metrics`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use prometheus_client::encoding::text::encode;
@@ -129,9 +129,77 @@ impl Metrics {
         *before = counts;
     }
 
+    /// In OpenMetrics' text format.
     pub fn render(&self) -> String {
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
+    }
+}
+
+/// The samples of an OpenMetrics exposition in Prometheus' older text format
+/// (`text/plain; version=0.0.4`), which scrapers and `promtool` read when they do not
+/// ask for OpenMetrics: a counter's family is named by its samples (`…_total`), and
+/// there is no `# EOF` or `# UNIT`.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                if counters.contains(name) {
+                    out.push_str(&format!("{prefix}{name}_total {tail}"));
+                } else {
+                    out.push_str(line);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_named_by_their_samples_in_the_prometheus_text_format() {
+        let om = "# HELP a_heartbeats Heartbeats received.\n# TYPE a_heartbeats counter\n\
+                  a_heartbeats_total 3\n# HELP a_live Live.\n# TYPE a_live gauge\na_live 1\n# EOF\n";
+        assert_eq!(
+            prometheus_text(om),
+            "# HELP a_heartbeats_total Heartbeats received.\n# TYPE a_heartbeats_total counter\n\
+             a_heartbeats_total 3\n# HELP a_live Live.\n# TYPE a_live gauge\na_live 1\n"
+        );
+    }
+
+    #[test]
+    fn every_family_is_there_before_its_first_event() {
+        let text = Metrics::new().render();
+        for family in [
+            "evictions",
+            "refused_requests",
+            "heartbeats",
+            "quorum_changes",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE phalanx_lighthouse_{family} counter")),
+                "{family} missing:\n{text}"
+            );
+        }
+        assert!(text.contains(r#"phalanx_lighthouse_evictions_total{cause="stream_broken"} 0"#));
+        assert!(text.contains(r#"phalanx_lighthouse_refused_requests_total{reason="token"} 0"#));
     }
 }
