@@ -59,6 +59,16 @@ def test_lighthouse_help_lists_every_option():
         assert option in done.stdout
 
 
+def test_the_wheel_installs_the_lighthouse_as_its_own_command():
+    command = Path(sys.executable).with_name("phalanx-lighthouse")
+    assert command.exists(), "pip install puts phalanx-lighthouse beside python"
+    done = subprocess.run(
+        [str(command), "--version"], capture_output=True, text=True, timeout=30, env=child_env()
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("phalanx-lighthouse ")
+
+
 def test_version():
     done = phalanx_cli("--version")
     assert done.returncode == 0

@@ -22,6 +22,12 @@ def _lighthouse(args: list[str]) -> int:
     return _core.run_lighthouse_cli(["phalanx lighthouse", *args])
 
 
+def lighthouse_main() -> int:
+    """`phalanx-lighthouse`: the lighthouse alone, as the wheel installs it (the same
+    program as `cargo install`'s binary of that name)."""
+    return _core.run_lighthouse_cli(["phalanx-lighthouse", *sys.argv[1:]])
+
+
 def _run(args: list[str]) -> int:
     from phalanx import launcher
 
