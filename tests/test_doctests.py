@@ -14,6 +14,7 @@ MODULES = [
     "phalanx.launcher",
     "phalanx.recovery",
     "phalanx.process_group",
+    "phalanx.store",
     "phalanx.data",
     "phalanx.forkserver",
     "phalanx.demo.model",

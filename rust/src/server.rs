@@ -1,11 +1,13 @@
 //! Starting and stopping a tonic server, shared by the lighthouse and the manager.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_stream::{Stream, StreamExt};
 use tonic::service::Routes;
 use tonic::transport::server::TcpIncoming;
 
@@ -79,8 +81,39 @@ pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), Error> {
     Ok((listener, addr))
 }
 
+/// Binds `host` at the port of `bound` too, unless `bound` already covers it (the same
+/// IP, or all interfaces): a server whose group meets it at one address and its
+/// peers at another listens on both, and on nothing else.
+pub async fn bind_also(bound: SocketAddr, host: &str) -> Result<Option<TcpListener>, Error> {
+    let address = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", bound.port())
+    } else {
+        format!("{host}:{}", bound.port())
+    };
+    let resolved = tokio::net::lookup_host(&address)
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next());
+    match resolved {
+        Some(addr) if bound.ip().is_unspecified() || addr.ip() == bound.ip() => Ok(None),
+        _ => bind(&address).await.map(|(listener, _)| Some(listener)),
+    }
+}
+
+type Incoming = Pin<Box<dyn Stream<Item = Result<TcpStream, std::io::Error>> + Send>>;
+
 /// Serves `routes` on `listener` until `shutdown` is set (or the handle dropped).
 pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool>) -> ServerHandle {
+    spawn_on(listener, Vec::new(), routes, shutdown)
+}
+
+/// Like `spawn`, on `more` listeners too; the handle reports the first one's address.
+pub fn spawn_on(
+    listener: TcpListener,
+    more: Vec<TcpListener>,
+    routes: Routes,
+    shutdown: watch::Sender<bool>,
+) -> ServerHandle {
     let addr = listener
         .local_addr()
         .expect("a bound listener has an address");
@@ -92,7 +125,10 @@ pub fn spawn(listener: TcpListener, routes: Routes, shutdown: watch::Sender<bool
         .add_routes(routes);
     // The builder's `tcp_nodelay` does not reach a listener we bound ourselves; without
     // it, small pushes (membership-loss events) wait ~40 ms for a delayed ACK.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = std::iter::once(listener).chain(more).fold(
+        Box::pin(tokio_stream::empty()) as Incoming,
+        |all, listener| Box::pin(all.merge(TcpIncoming::from(listener).with_nodelay(Some(true)))),
+    );
     let task = tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
