@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".phalanx.v1.StoreGetResponse.value")
         .bytes(".phalanx.v1.StoreCompareSetRequest.desired")
         .bytes(".phalanx.v1.StoreCompareSetResponse.current")
+        .bytes(".phalanx.v1.StoreWaitResponse.values")
         .compile_protos(&["rust/proto/phalanx.proto"], &["rust/proto"])?;
     Ok(())
 }

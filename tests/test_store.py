@@ -162,3 +162,16 @@ def test_a_quorums_keys_are_dropped_once_the_group_moved_on(lighthouse, server, 
     assert second.quorum_id > first.quorum_id
     assert not store.check([f"{first.store_prefix}/0"])
     assert store.get("phalanx/group/0") == b"the group's own"
+
+
+def test_a_get_right_after_a_wait_takes_the_value_the_wait_saw(store):
+    other = Store(store.address, token=TOKEN, timeout=5.0)
+    store.set("k", b"1")
+    store.wait(["k"])
+    other.set("k", b"2")
+    # One round trip for both: the value as the wait returned.
+    assert store.get("k") == b"1"
+    # Anything else in between, and the get asks the store.
+    store.wait(["k"])
+    store.check(["k"])
+    assert store.get("k") == b"2"

@@ -327,8 +327,9 @@ class StoreClient:
         `expected`, with nothing set, as torch's stores do)."""
     def check(self, keys: list[str]) -> bool:
         """Whether every key is set, without waiting."""
-    def wait(self, keys: list[str], timeout: float | None = None) -> None:
-        """Returns once every key is set."""
+    def wait(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """Returns once every key is set, with their values in order when together
+        they are small (64 KiB), else an empty list."""
     def delete_key(self, key: str) -> bool:
         """Deletes `key`; whether it was set."""
     def num_keys(self) -> int: ...

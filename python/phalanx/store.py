@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -61,7 +62,12 @@ class Store(dist.Store):
     """The rendezvous store of the replica group whose manager server listens at
     `address`. `timeout` (seconds) is how long `get` and `wait` wait for keys (and for
     a store still starting) and the deadline of every other call; torch's
-    `set_timeout` changes the former."""
+    `set_timeout` changes the former.
+
+    A wait answers with the values of its keys, and a `get` of one of them that comes
+    right after it on the same thread (nothing else in between) returns that value
+    without asking again: rendezvous reads each key this way, and its keys are
+    written once, so a quorum change costs half the round trips."""
 
     def __init__(
         self,
@@ -74,45 +80,68 @@ class Store(dist.Store):
         super().__init__()
         self._client = client or _client(address, token, timeout)
         self.set_timeout(timedelta(seconds=timeout))
+        self._waited = threading.local()
 
     @property
     def address(self) -> str:
         return self._client.address
 
+    def _just_waited(self) -> dict[str, bytes]:
+        """The values the last call on this thread waited for (if it was a wait),
+        forgotten as this call takes them."""
+        seen = getattr(self._waited, "values", None)
+        self._waited.values = None
+        return seen or {}
+
     def _wait_s(self, timeout: timedelta | None = None) -> float:
         return (timeout if timeout is not None else self.timeout).total_seconds()
 
     def set(self, key: str, value: bytes | str) -> None:
+        self._just_waited()
         with _as_store_errors():
             self._client.set(key, _bytes(value))
 
     def get(self, key: str) -> bytes:
+        seen = self._just_waited()
+        if key in seen:
+            value = seen.pop(key)
+            self._waited.values = seen  # the wait's other keys, for the gets to come
+            return value
         with _as_store_errors():
             return self._client.get(key, self._wait_s())
 
     def add(self, key: str, value: int) -> int:
+        self._just_waited()
         with _as_store_errors():
             return self._client.add(key, value)
 
     def compare_set(
         self, key: str, expected_value: bytes | str, desired_value: bytes | str
     ) -> bytes:
+        self._just_waited()
         with _as_store_errors():
             return self._client.compare_set(key, _bytes(expected_value), _bytes(desired_value))
 
     def check(self, keys: list[str]) -> bool:
+        self._just_waited()
         with _as_store_errors():
             return self._client.check(list(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._just_waited()
+        keys = list(keys)
         with _as_store_errors():
-            self._client.wait(list(keys), self._wait_s(timeout))
+            values = self._client.wait(keys, self._wait_s(timeout))
+        if values:
+            self._waited.values = dict(zip(keys, values, strict=True))
 
     def delete_key(self, key: str) -> bool:
+        self._just_waited()
         with _as_store_errors():
             return self._client.delete_key(key)
 
     def num_keys(self) -> int:
+        self._just_waited()
         with _as_store_errors():
             return self._client.num_keys()
 

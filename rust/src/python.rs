@@ -673,7 +673,6 @@ impl StoreClient {
     #[new]
     #[pyo3(signature = (address, token = None, timeout = 30.0, connect_timeout = 5.0))]
     fn new(
-        py: Python<'_>,
         address: &str,
         token: Option<String>,
         timeout: f64,
@@ -682,12 +681,12 @@ impl StoreClient {
         let timeout = seconds("timeout", timeout)?;
         let connect_timeout = seconds("connect_timeout", connect_timeout)?;
         let token = token_of(token);
-        let inner = py
-            .detach(|| {
-                let _enter = runtime().enter();
-                crate::store::client::StoreClient::new(address, &token, connect_timeout)
-            })
-            .map_err(to_py)?;
+        // Building a channel needs a runtime context.
+        let inner = {
+            let _enter = runtime().enter();
+            crate::store::client::StoreClient::new(address, &token, connect_timeout)
+        }
+        .map_err(to_py)?;
         Ok(StoreClient { inner, timeout })
     }
 
@@ -746,11 +745,22 @@ impl StoreClient {
         wait(py, async move { client.check(keys, timeout).await })
     }
 
+    /// Returns once every key is set, with their values when they are small (else
+    /// an empty list).
     #[pyo3(signature = (keys, timeout = None))]
-    fn wait(&self, py: Python<'_>, keys: Vec<String>, timeout: Option<f64>) -> PyResult<()> {
+    fn wait<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, pyo3::types::PyBytes>>> {
         let timeout = self.wait_time(timeout)?;
         let client = self.inner.clone();
-        wait(py, async move { client.wait(&keys, timeout).await })
+        let values = wait(py, async move { client.wait(&keys, timeout).await })?;
+        Ok(values
+            .iter()
+            .map(|v| pyo3::types::PyBytes::new(py, v))
+            .collect())
     }
 
     fn delete_key(&self, py: Python<'_>, key: String) -> PyResult<bool> {

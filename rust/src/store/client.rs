@@ -146,8 +146,9 @@ impl StoreClient {
         Ok(call(WHAT, &self.address, timeout, response).await?.all_set)
     }
 
-    /// Returns once every one of `keys` is set, waiting up to `timeout`.
-    pub async fn wait(&self, keys: &[String], timeout: Duration) -> Result<(), Error> {
+    /// Returns once every one of `keys` is set, waiting up to `timeout`, with their
+    /// values when they are small (else none).
+    pub async fn wait(&self, keys: &[String], timeout: Duration) -> Result<Vec<Bytes>, Error> {
         self.patiently(timeout, |left| {
             let request = proto::StoreKeysRequest {
                 protocol_version: PROTOCOL_VERSION,
@@ -161,7 +162,7 @@ impl StoreClient {
             }
         })
         .await
-        .map(|_| ())
+        .map(|r| r.values)
     }
 
     pub async fn delete_key(&self, key: String, timeout: Duration) -> Result<bool, Error> {

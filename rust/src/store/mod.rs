@@ -230,6 +230,17 @@ impl KeyValueStore {
         keys.into_iter().all(|k| self.entries.contains_key(k))
     }
 
+    /// None until every one of `keys` is set; then their values in order, or no
+    /// values when together they are larger than `max_bytes`.
+    pub fn values_of(&self, keys: &[String], max_bytes: usize) -> Option<Vec<Bytes>> {
+        let values: Vec<Bytes> = keys
+            .iter()
+            .map(|k| self.entries.get(k).cloned())
+            .collect::<Option<_>>()?;
+        let small = values.iter().map(Bytes::len).sum::<usize>() <= max_bytes;
+        Some(if small { values } else { Vec::new() })
+    }
+
     /// The first of `keys` that is not set, if any.
     pub fn first_missing<'a>(&self, keys: &'a [String]) -> Option<&'a str> {
         keys.iter()
@@ -388,5 +399,16 @@ mod tests {
             s.first_missing(&["z".into(), "phalanx/q1/r0/0".into()]),
             Some("phalanx/q1/r0/0")
         );
+    }
+
+    #[test]
+    fn values_of_keys_come_once_all_are_set_and_only_when_small() {
+        let mut s = KeyValueStore::new(StoreLimits::default());
+        let keys = ["a".to_string(), "b".to_string()];
+        s.set("a", Bytes::from("1")).unwrap();
+        assert_eq!(s.values_of(&keys, 8), None);
+        s.set("b", Bytes::from("22")).unwrap();
+        assert_eq!(s.values_of(&keys, 8).unwrap(), vec!["1", "22"]);
+        assert_eq!(s.values_of(&keys, 2).unwrap(), Vec::<Bytes>::new());
     }
 }

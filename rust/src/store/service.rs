@@ -20,6 +20,8 @@ pub fn max_request_bytes(limits: &StoreLimits) -> usize {
 
 /// Keys one Wait or Check may name; a process group names one per peer.
 pub const MAX_KEYS_PER_CALL: usize = 65_536;
+/// Values a Wait answers with, together at most: a rendezvous value is an address.
+pub const MAX_WAIT_VALUES_BYTES: usize = 64 << 10;
 
 /// A store shared by its service and its owner (the manager server, which drops the
 /// keys of quorums its group has moved on from).
@@ -184,11 +186,11 @@ impl store_server::Store for StoreService {
         let timeout = validate::timeout_ms(req.timeout_ms)?;
         keys(&req.keys)?;
         let deadline = Instant::now() + timeout;
-        let all_set = self
+        let values = self
             .store
-            .wait_for(deadline, |s| s.contains_all(&req.keys).then_some(()))
+            .wait_for(deadline, |s| s.values_of(&req.keys, MAX_WAIT_VALUES_BYTES))
             .await;
-        if all_set.is_none() {
+        let Some(values) = values else {
             let missing = self
                 .store
                 .read(|s| s.first_missing(&req.keys).map(str::to_string))
@@ -198,8 +200,8 @@ impl store_server::Store for StoreService {
                 &format!("key {missing:?} (of {others} more awaited) was"),
                 timeout,
             ));
-        }
-        Ok(Response::new(proto::StoreWaitResponse {}))
+        };
+        Ok(Response::new(proto::StoreWaitResponse { values }))
     }
 
     async fn delete_key(
