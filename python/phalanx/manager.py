@@ -348,7 +348,16 @@ class Manager:
 
         from phalanx.recovery import StateHost
 
-        self._host = StateHost(bind=host_port(host, 0), advertise_host=host, token=self._token)
+        try:
+            self._host = StateHost(bind=host_port(host, 0), advertise_host=host, token=self._token)
+        except ConnectionError as e:
+            if advertise_host:
+                raise
+            raise ConnectionError(
+                f"{e}. This rank listens on MASTER_ADDR ({store_addr}) unless told its own "
+                "address: on another host than its group's rank 0, set "
+                "PHALANX_ADVERTISE_HOST (advertise_host=) to this host's address"
+            ) from e
         self._advertised_host = host
         self._pg = FaultTolerantProcessGroup(self.timeouts.collective, host=host, token=self._token)
         self._watcher = threading.Thread(
