@@ -195,11 +195,11 @@ impl store_server::Store for StoreService {
                 .store
                 .read(|s| s.first_missing(&req.keys).map(str::to_string))
                 .unwrap_or_default();
-            let others = req.keys.len().saturating_sub(1);
-            return Err(not_set(
-                &format!("key {missing:?} (of {others} more awaited) was"),
-                timeout,
-            ));
+            let what = match req.keys.len() {
+                1 => format!("key {missing:?} was"),
+                n => format!("key {missing:?} (one of {n} awaited) was"),
+            };
+            return Err(not_set(&what, timeout));
         };
         Ok(Response::new(proto::StoreWaitResponse { values }))
     }
