@@ -5,6 +5,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         // Shared, not copied: one encoded quorum goes to every member of a round.
         .bytes(".phalanx.v1.LighthouseQuorumResponse.quorum")
+        // Store values pass through without a copy.
+        .bytes(".phalanx.v1.StoreSetRequest.value")
+        .bytes(".phalanx.v1.StoreGetResponse.value")
+        .bytes(".phalanx.v1.StoreCompareSetRequest.desired")
+        .bytes(".phalanx.v1.StoreCompareSetResponse.current")
+        .bytes(".phalanx.v1.StoreWaitResponse.values")
         .compile_protos(&["rust/proto/phalanx.proto"], &["rust/proto"])?;
     Ok(())
 }

@@ -107,7 +107,12 @@ def main() -> None:
     timeouts = manager.timeouts
     if args.first_heal_timeout is not None:
         manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
-    ready = {"event": "ready", "pid": os.getpid(), "state_address": manager.state_address}
+    ready = {
+        "event": "ready",
+        "pid": os.getpid(),
+        "state_address": manager.state_address,
+        "manager_address": manager.manager_address,
+    }
     print(json.dumps(ready), flush=True)
 
     while manager.current_step() < args.steps:

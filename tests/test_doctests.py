@@ -15,6 +15,7 @@ MODULES = [
     "phalanx.token",
     "phalanx.recovery",
     "phalanx.process_group",
+    "phalanx.store",
     "phalanx.data",
     "phalanx.forkserver",
     "phalanx.demo.model",

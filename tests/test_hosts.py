@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,10 +17,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from conftest import Child
+from conftest import TESTS, Child, child_env, wait_until, write_token_file
 
 #: Used only inside the namespaces made here, which nothing else can reach.
 SUBNET = "10.77.0"
@@ -207,3 +209,79 @@ def test_a_group_on_another_host_is_killed_and_heals_over_the_network(
         child.signal(signal.SIGTERM)
     for child in (a, b):
         assert child.wait(timeout=20) == 130, child.describe()
+
+
+def listeners(host: Host) -> list[str]:
+    """The local addresses of every TCP socket listening in `host`'s namespace."""
+    done = subprocess.run(
+        host.command(["ss", "-ltnH"]), capture_output=True, text=True, timeout=10, check=True
+    )
+    return [line.split()[3] for line in done.stdout.splitlines() if line.strip()]
+
+
+def probe(host: Host, *argv: str) -> str:
+    done = subprocess.run(
+        host.command([sys.executable, str(TESTS / "netns_probe.py"), *argv]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_another_host_without_the_token_is_refused_by_every_plane_and_counted(
+    hosts: dict[str, Host], spawn: Callable[..., Child], tmp_path: Path
+):
+    token_file = write_token_file(tmp_path / "job.token", TOKEN)
+    lh, home, stranger = hosts["lh"], hosts["group-a"], hosts["group-b"]
+    lighthouse_address = f"{lh.address}:{LIGHTHOUSE_PORT}"
+    lighthouse = spawn(
+        "lighthouse",
+        lh.command(
+            [sys.executable, "-m", "phalanx", "lighthouse", "--bind", lighthouse_address]
+            + ["--token-file", str(token_file)]
+        ),
+    )
+    lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 15, "listening")
+    launcher = [sys.executable, "-m", "phalanx", "run", "--replicas", "1"]
+    launcher += ["--nproc-per-replica", "2", "--replica-id", "group-a"]
+    launcher += ["--lighthouse", lighthouse_address, "--token-file", str(token_file)]
+    launcher += ["--master-addr", home.address, "--", sys.executable, str(TESTS / "ft_train.py")]
+    launcher += ["--steps", "100000", "--timeout", "10"]
+    job = spawn("group-a", home.command(launcher), {"PHALANX_ADVERTISE_HOST": home.address})
+
+    readies: dict[int, dict] = {}
+
+    def both_ready(line: dict) -> bool:
+        prefix, _, record = line.get("text", "").partition("] ")
+        if prefix in ("[group-a/0", "[group-a/1") and '"event": "ready"' in record:
+            readies[int(prefix[-1])] = json.loads(record)
+        return len(readies) == 2
+
+    job.expect(both_ready, 60, "both ranks ready")
+    job.expect(lambda line: '"committed": true' in line.get("text", ""), 60, "a committed step")
+
+    # Nothing of the job listens on every interface.
+    for host in (lh, home):
+        bound = listeners(host)
+        assert bound and all(a.startswith(f"{host.address}:") for a in bound), (host, bound)
+
+    manager = readies[0]["manager_address"]
+    states = [r["state_address"] for r in readies.values()]
+    knocked = json.loads(probe(stranger, "knock", lighthouse_address, manager, *states))
+    assert knocked and all(outcome == "refused" for outcome in knocked.values()), knocked
+
+    def counted() -> bool:
+        metrics = probe(stranger, "metrics", lighthouse_address, TOKEN)
+        own = re.search(r'refused_requests_total\{reason="token"\} (\d+)', metrics)
+        group = re.search(
+            r'group_refused_requests_total\{replica_id="group-a",reason="token"\} (\d+)', metrics
+        )
+        # 2 lighthouse calls; quorum, vote and store write, and one fetch per rank.
+        return bool(own and group and int(own[1]) >= 2 and int(group[1]) >= 3 + len(states))
+
+    wait_until(counted, 30, "every refusal counted at the lighthouse")

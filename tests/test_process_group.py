@@ -1,4 +1,5 @@
-"""The fault-tolerant process group: real gloo process groups over a real store."""
+"""The fault-tolerant process group: real gloo process groups over a real store (a
+manager server's, behind the job token)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
+import phalanx
 from phalanx.process_group import (
     Abort,
     CollectiveFailed,
@@ -17,7 +18,18 @@ from phalanx.process_group import (
     backend_for,
 )
 
-from conftest import free_port
+from conftest import HEARTBEAT_INTERVAL
+
+TOKEN = "pg-token"
+
+
+@pytest.fixture
+def store_address(lighthouse):
+    """The address of a manager server's rendezvous store."""
+    with phalanx.ManagerServer(
+        "g", lighthouse.address, token=TOKEN, heartbeat_interval=HEARTBEAT_INTERVAL
+    ) as server:
+        yield server.address
 
 
 def test_cpu_tensors_use_gloo_and_cuda_tensors_nccl():
@@ -37,15 +49,13 @@ def test_a_bad_membership_is_refused_with_the_reason(address, rank, size, messag
         Membership(address, "p", rank, size)
 
 
-def two_ranks(timeout: float = 10.0):
+def two_ranks(store_address: str, timeout: float = 10.0):
     """Two fault-tolerant process groups of one world, as two replica groups' ranks."""
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    groups = [FaultTolerantProcessGroup(timeout) for _ in range(2)]
+    groups = [FaultTolerantProcessGroup(timeout, host="127.0.0.1", token=TOKEN) for _ in range(2)]
     threads = [
         threading.Thread(
             target=g.configure,
-            args=(Membership(f"127.0.0.1:{port}", "q1/r0", rank, 2), "gloo"),
+            args=(Membership(store_address, "q1/r0", rank, 2), "gloo"),
         )
         for rank, g in enumerate(groups)
     ]
@@ -53,21 +63,26 @@ def two_ranks(timeout: float = 10.0):
         t.start()
     for t in threads:
         t.join(30)
-    return store, groups
+    return groups
 
 
-def test_an_allreduce_sums_over_the_members():
-    store, groups = two_ranks()
+def test_an_allreduce_sums_over_the_members(store_address):
+    groups = two_ranks(store_address)
     tensors = [torch.full((4,), float(rank + 1)) for rank in range(2)]
     pending = [g.allreduce(t, Abort()) for g, t in zip(groups, tensors, strict=True)]
     for p in pending:
         p.wait()
     assert all(torch.equal(t, torch.full((4,), 3.0)) for t in tensors)
-    del store
 
 
-def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout():
-    store, groups = two_ranks(timeout=30.0)
+def test_a_rank_without_the_token_cannot_join(store_address):
+    intruder = FaultTolerantProcessGroup(2.0, host="127.0.0.1", token="wrong")
+    with pytest.raises(PermissionError, match="missing or wrong job token"):
+        intruder.configure(Membership(store_address, "q1/r0", 1, 2), "gloo")
+
+
+def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout(store_address):
+    groups = two_ranks(store_address, timeout=30.0)
     abort = Abort()
     # The peer never joins: without the abort this would wait 30 s.
     pending = groups[0].allreduce(torch.ones(4), abort)
@@ -76,16 +91,12 @@ def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout():
     with pytest.raises(CollectiveFailed, match="aborted"):
         pending.wait()
     assert time.monotonic() - started < 1.0
-    del store
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
-def test_an_nccl_process_group_builds_and_reduces_on_one_device():
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    group = FaultTolerantProcessGroup(10.0)
-    group.configure(Membership(f"127.0.0.1:{port}", "nccl", 0, 1), "nccl")
+def test_an_nccl_process_group_builds_and_reduces_on_one_device(store_address):
+    group = FaultTolerantProcessGroup(10.0, token=TOKEN)
+    group.configure(Membership(store_address, "nccl", 0, 1), "nccl")
     tensor = torch.ones(4, device="cuda")
     group.allreduce(tensor, Abort()).wait()
     assert torch.equal(tensor.cpu(), torch.ones(4))
-    del store

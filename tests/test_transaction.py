@@ -250,7 +250,7 @@ def test_a_group_built_unlike_its_peers_is_told_what_to_fix(lighthouse):
 
 
 def test_a_rank_that_reaches_another_groups_store_is_told_so(lighthouse):
-    # Two groups given one MASTER_PORT: b's rank 1 finds a's store, not its own group.
+    # Two groups given one MASTER_PORT: b's rank 1 reaches a's manager, not its own.
     port = free_port()
     a = phalanx.Manager(
         replica_id="a",
@@ -260,7 +260,7 @@ def test_a_rank_that_reaches_another_groups_store_is_told_so(lighthouse):
         store_port=port,
     )
     try:
-        with pytest.raises(TimeoutError, match="give each group a MASTER_PORT of its own"):
+        with pytest.raises(ValueError, match="reached the manager of replica group 'a'"):
             phalanx.Manager(
                 replica_id="b",
                 lighthouse=lighthouse.address,
@@ -271,3 +271,15 @@ def test_a_rank_that_reaches_another_groups_store_is_told_so(lighthouse):
             )
     finally:
         a.shutdown()
+
+
+def test_a_rank_whose_rank_0_never_serves_is_told_so(lighthouse):
+    with pytest.raises(TimeoutError, match="found no manager of its group at 127.0.0.1:"):
+        phalanx.Manager(
+            replica_id="b",
+            lighthouse=lighthouse.address,
+            group_rank=1,
+            group_world_size=2,
+            store_port=free_port(),
+            timeout=1.0,
+        )

@@ -215,7 +215,9 @@ class ManagerServer:
     """A replica group's manager server, hosted by the group's rank 0.
 
     It keeps the group's heartbeat stream to the lighthouse open from the moment it
-    starts until `shutdown()`.
+    starts until `shutdown()`. On the same port, behind the same token, it serves the
+    group's rendezvous store (`StoreClient`, `phalanx.store.Store`); `store_address`
+    names another store for the quorums this group comes first in (empty: its own).
     """
 
     def __init__(
@@ -230,7 +232,10 @@ class ManagerServer:
         connect_timeout: float = 5.0,
         init_sync: bool = True,
         token: str | None = None,
-    ) -> None: ...
+        also_bind: str | None = None,
+    ) -> None:
+        """`also_bind`: another host to listen on at the same port, e.g. the
+        advertised host when `bind` is loopback (the group's ranks meet there)."""
     @property
     def address(self) -> str:
         """host:port that the group's ranks and its peers use."""
@@ -293,6 +298,56 @@ class ManagerClient:
         """Starts listening for membership-loss events (idempotent)."""
     def next_event(self, timeout: float = 0.0) -> MembershipLost | None:
         """The next membership-loss event, or None after `timeout` seconds."""
+
+#: The store key under which a manager server names its replica group.
+STORE_REPLICA_ID_KEY: str
+
+class StoreClient:
+    """A connection to a replica group's rendezvous store, served by its manager
+    server (at the manager's address) behind the job token: without the right token
+    every call raises `PermissionError`.
+
+    `timeout` (seconds) is the deadline of every call. `get` and `wait` wait up to it
+    (or their own `timeout`) for their keys, and for a store that cannot be reached yet
+    (its rank 0 still starting); then `TimeoutError`, or `ConnectionError` if the store
+    was never reached.
+
+    >>> with LighthouseServer() as lighthouse, ManagerServer("a", lighthouse.address) as m:
+    ...     store = StoreClient(m.address, timeout=5.0)
+    ...     store.get(STORE_REPLICA_ID_KEY)
+    b'a'
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    def set(self, key: str, value: bytes) -> None:
+        """Stores `value` under `key`. Keys, values and the store's size are bounded;
+        past a bound, `ValueError` names it."""
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of `key`, waiting for it to be set."""
+    def add(self, key: str, delta: int) -> int:
+        """Adds `delta` to the decimal counter at `key` (absent: 0); its new value."""
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Sets `key` to `desired` if it holds `expected` (an absent key holds b"");
+        returns what it holds now (for an absent key and a non-empty `expected`:
+        `expected`, with nothing set, as torch's stores do)."""
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key is set, without waiting."""
+    def wait(self, keys: list[str], timeout: float | None = None) -> list[bytes]:
+        """Returns once every key is set, with their values in order when together
+        they are small (64 KiB), else an empty list."""
+    def delete_key(self, key: str) -> bool:
+        """Deletes `key`; whether it was set."""
+    def num_keys(self) -> int: ...
 
 def run_lighthouse_cli(argv: list[str]) -> int:
     """`phalanx lighthouse ARGS…`: serves until SIGINT/SIGTERM; returns the exit code."""
@@ -357,7 +412,7 @@ class StateServer:
 
     def __init__(
         self,
-        bind: str = "0.0.0.0:0",
+        bind: str = "127.0.0.1:0",
         advertise_host: str | None = None,
         token: str | None = None,
         max_bytes_per_s: float | None = None,

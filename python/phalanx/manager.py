@@ -47,6 +47,7 @@ from phalanx.process_group import (
     backend_for,
     gloo_group,
 )
+from phalanx.store import Store
 from phalanx.token import resolve_token
 
 log = logging.getLogger("phalanx.manager")
@@ -59,10 +60,16 @@ EXPLAIN_WAIT_S = 0.25
 #: The least time a vote cast again gets: enough to fetch a decision already taken.
 MIN_REVOTE_S = 0.5
 
-#: Where group rank 0 publishes its manager server, per replica id: a rank that
-#: reaches another group's store (two groups given one MASTER_PORT) finds no key of
-#: its own group there and says so, instead of joining the other group.
-MANAGER_ADDRESS_KEY = "phalanx/manager_address/{replica_id}"
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 host in brackets.
+
+    >>> host_port("10.0.0.1", 29500), host_port("::1", 0), host_port("[::1]", 0)
+    ('10.0.0.1:29500', '[::1]:0', '[::1]:0')
+    """
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -211,9 +218,10 @@ class Manager:
 
     Settings come from the arguments, else from the environment: `PHALANX_REPLICA_ID`,
     `PHALANX_LIGHTHOUSE`, `PHALANX_TOKEN`, `PHALANX_ADVERTISE_HOST`, and the usual
-    `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` for the group's own ranks (rank 0
-    hosts the group's rendezvous store at MASTER_ADDR:MASTER_PORT and its manager
-    server).
+    `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` for the group's own ranks: rank
+    0's manager server listens at MASTER_ADDR:MASTER_PORT and serves the group's
+    rendezvous store there, behind the job token. Every listener of the rank binds the
+    advertised host (`PHALANX_ADVERTISE_HOST`, else MASTER_ADDR), never all interfaces.
     """
 
     def __init__(
@@ -313,39 +321,46 @@ class Manager:
         self._closed = False
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
 
-        self._store = dist.TCPStore(
-            store_addr,
-            port,
-            world_size=None,
-            is_master=self.group_rank == 0,
-            timeout=timedelta(seconds=self.timeouts.quorum),
-            wait_for_workers=False,
-        )
         host = advertise_host or store_addr
-        self._store_address = f"{host}:{self._store.port}"
         self._server: _core.ManagerServer | None = None
         if self.group_rank == 0:
+            # The manager server is the group's rendezvous store too (no TCPStore, which
+            # would admit anyone on the network).
             self._server = _core.ManagerServer(
                 self.replica_id,
                 lighthouse,
                 world_size=self.group_world_size,
-                bind="0.0.0.0:0",
-                store_address=self._store_address,
+                bind=host_port(store_addr, port),
+                # The other groups reach it at the advertised host.
+                also_bind=host if host != store_addr else None,
                 advertise_host=host,
                 heartbeat_interval=heartbeat_interval,
                 init_sync=init_sync,
                 token=self._token,
             )
-            self._store.set(self._manager_key, self._server.address)
-        manager_address = self._manager_address(store_addr, port)
+            manager_address = self._server.address
+        else:
+            manager_address = host_port(store_addr, port)
+        self._store = Store(manager_address, token=self._token, timeout=self.timeouts.quorum)
+        if self.group_rank != 0:
+            self._check_manager(manager_address)
         self._client = _core.ManagerClient(manager_address, token=self._token)
         self._client.subscribe_events()
 
         from phalanx.recovery import StateHost
 
-        self._host = StateHost(bind="0.0.0.0:0", advertise_host=host, token=self._token)
+        try:
+            self._host = StateHost(bind=host_port(host, 0), advertise_host=host, token=self._token)
+        except ConnectionError as e:
+            if advertise_host:
+                raise
+            raise ConnectionError(
+                f"{e}. This rank listens on MASTER_ADDR ({store_addr}) unless told its own "
+                "address: on another host than its group's rank 0, set "
+                "PHALANX_ADVERTISE_HOST (advertise_host=) to this host's address"
+            ) from e
         self._advertised_host = host
-        self._pg = FaultTolerantProcessGroup(self.timeouts.collective, host=host)
+        self._pg = FaultTolerantProcessGroup(self.timeouts.collective, host=host, token=self._token)
         self._watcher = threading.Thread(
             target=self._watch_membership, name="phalanx-membership", daemon=True
         )
@@ -532,6 +547,11 @@ class Manager:
         return self._failure
 
     @property
+    def manager_address(self) -> str:
+        """host:port of the group's manager server and rendezvous store (its rank 0's)."""
+        return self._store.address
+
+    @property
     def state_address(self) -> str:
         """host:port of this rank's state server, which healing peers fetch from."""
         return self._host.address
@@ -571,19 +591,24 @@ class Manager:
 
     # -- internals ------------------------------------------------------------------
 
-    @property
-    def _manager_key(self) -> str:
-        return MANAGER_ADDRESS_KEY.format(replica_id=self.replica_id)
-
-    def _manager_address(self, store_addr: str, port: int) -> str:
+    def _check_manager(self, address: str) -> None:
+        """Waits (up to the quorum timeout) for the group's rank 0 to serve, and makes
+        sure that it serves this group: a rank given another group's MASTER_PORT says
+        so instead of joining that group."""
         try:
-            return self._store.get(self._manager_key).decode()
-        except dist.DistStoreError as e:
+            owner = self._store.get(_core.STORE_REPLICA_ID_KEY).decode()
+        except dist.DistError as e:
             raise TimeoutError(
                 f"rank {self.group_rank} of replica group {self.replica_id!r} found no manager "
-                f"of its group at {store_addr}:{port} within {self.timeouts.quorum:g} s: start "
+                f"of its group at {address} within {self.timeouts.quorum:g} s ({e}): start "
                 "the group's rank 0, and give each group a MASTER_PORT of its own"
             ) from e
+        if owner != self.replica_id:
+            raise ValueError(
+                f"rank {self.group_rank} of replica group {self.replica_id!r} reached the "
+                f"manager of replica group {owner!r} at {address}: give each group a "
+                "MASTER_PORT of its own"
+            )
 
     @property
     def _joins_collectives(self) -> bool:

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from phalanx.store import Store
+
 
 def backend_for(device: torch.device) -> str:
     """gloo for CPU tensors, NCCL for CUDA ones."""
@@ -37,7 +39,7 @@ class Membership:
         if not sep or not host or not port.isdigit():
             raise ValueError(
                 f"store address {self.store_address!r} is not host:port; every group's "
-                "rank 0 must host a rendezvous store (MASTER_ADDR:MASTER_PORT)"
+                "rank 0 serves a rendezvous store with its manager (MASTER_ADDR:MASTER_PORT)"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
@@ -60,18 +62,24 @@ def gloo_group(
 
 
 def _connect(
-    membership: Membership, backend: str, timeout: timedelta, host: str | None = None
-) -> dist.ProcessGroup:
-    store_host, _, port = membership.store_address.rpartition(":")
-    store = dist.TCPStore(
-        store_host.strip("[]"), int(port), is_master=False, timeout=timeout, wait_for_workers=False
-    )
-    store = dist.PrefixStore(membership.prefix, store)
+    membership: Membership,
+    backend: str,
+    timeout: timedelta,
+    host: str | None = None,
+    token: str | None = None,
+) -> tuple[dist.ProcessGroup, Store]:
+    """The process group of `membership`, met in the first participant's rendezvous
+    store, which admits only holders of the job's token; and that store, which the
+    caller keeps as long as the group (torch holds a store written in Python without
+    its Python half: dropped, its methods are gone)."""
+    store = Store(membership.store_address, token=token, timeout=timeout.total_seconds())
+    prefixed = dist.PrefixStore(membership.prefix, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, membership.rank, membership.world_size, options)
-    return gloo_group(store, membership.rank, membership.world_size, timeout, host)
+        group = dist.ProcessGroupNCCL(prefixed, membership.rank, membership.world_size, options)
+        return group, store
+    return gloo_group(prefixed, membership.rank, membership.world_size, timeout, host), store
 
 
 class CollectiveFailed(Exception):
@@ -94,14 +102,17 @@ class FaultTolerantProcessGroup:
     def __init__(
         self,
         timeout: float,
-        connect: Callable[..., dist.ProcessGroup] = _connect,
+        connect: Callable[..., tuple[dist.ProcessGroup, dist.Store]] = _connect,
         host: str | None = None,
+        token: str | None = None,
     ):
         self._timeout = timedelta(seconds=timeout)
         self._connect = connect
         self._host = host
+        self._token = token
         self._membership: Membership | None = None
         self._group: dist.ProcessGroup | None = None
+        self._store: dist.Store | None = None
         self._backend: str | None = None
 
     @property
@@ -114,7 +125,9 @@ class FaultTolerantProcessGroup:
         if membership == self._membership and backend == self._backend:
             return
         self.reset()
-        self._group = self._connect(membership, backend, self._timeout, self._host)
+        self._group, self._store = self._connect(
+            membership, backend, self._timeout, self._host, self._token
+        )
         self._membership = membership
         self._backend = backend
 
@@ -125,13 +138,14 @@ class FaultTolerantProcessGroup:
         group's collectives in flight, and with a dead peer those last until their
         timeout, which the training thread must not wait for."""
         group, self._group, self._membership = self._group, None, None
+        store, self._store = self._store, None
         if group is not None and self._backend == "nccl":
             # NCCL can cancel its collectives in flight; gloo cannot (callers keep
             # the tensors of a failed step away from later steps instead).
             group.abort()
         if group is not None:
-            holder = [group]
-            del group
+            holder = [group, store]
+            del group, store
             threading.Thread(target=holder.clear, name="phalanx-retire-pg", daemon=True).start()
 
     def allreduce(self, tensor: torch.Tensor, abort: Abort) -> Pending:

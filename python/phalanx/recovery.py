@@ -597,7 +597,7 @@ class StateHost:
 
     def __init__(
         self,
-        bind: str = "0.0.0.0:0",
+        bind: str = "127.0.0.1:0",
         advertise_host: str | None = None,
         token: str | None = None,
         *,

@@ -20,17 +20,17 @@ use crate::proto::{self, PROTOCOL_VERSION};
 use crate::Error;
 
 /// Time the server gets past the caller's timeout to send its own, better-worded error.
-const GRACE: Duration = Duration::from_millis(500);
+pub(crate) const GRACE: Duration = Duration::from_millis(500);
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
 /// How soon, and at most how long apart, a lighthouse that cannot be reached is
 /// asked again for a quorum.
-const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
-const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(500);
+pub(crate) const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
+pub(crate) const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(500);
 
 /// `base` scaled by a random factor in [0.75, 1.25), so that the groups of a job that
 /// lost their lighthouse do not all ask again at the same instant.
-fn jittered(base: Duration) -> Duration {
+pub(crate) fn jittered(base: Duration) -> Duration {
     use std::hash::{BuildHasher, Hasher};
     let random = std::collections::hash_map::RandomState::new()
         .build_hasher()
@@ -39,11 +39,11 @@ fn jittered(base: Duration) -> Duration {
 }
 
 /// Answers can list thousands of members; far more than requests.
-const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+pub(crate) const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
-type Authed = InterceptedService<Channel, AttachToken>;
+pub(crate) type Authed = InterceptedService<Channel, AttachToken>;
 
-fn channel(
+pub(crate) fn channel(
     address: &str,
     token: &JobToken,
     connect_timeout: Duration,
@@ -69,7 +69,7 @@ fn channel(
 }
 
 /// Runs one call under a deadline and words transport failures for the user.
-async fn call<T>(
+pub(crate) async fn call<T>(
     what: &'static str,
     address: &str,
     timeout: Duration,
@@ -107,13 +107,13 @@ fn word(what: &'static str, address: &str, status: Status) -> Error {
     }
 }
 
-fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(timeout + GRACE);
     request
 }
 
-fn timeout_ms(timeout: Duration) -> u64 {
+pub(crate) fn timeout_ms(timeout: Duration) -> u64 {
     timeout.as_millis().clamp(1, u64::MAX as u128) as u64
 }
 

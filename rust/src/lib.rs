@@ -15,6 +15,7 @@ pub mod proto;
 pub mod quorum;
 pub mod server;
 pub mod state;
+pub mod store;
 pub mod validate;
 
 pub use error::{Error, ErrorKind};

@@ -156,7 +156,7 @@ impl StateServer {
 #[pymethods]
 impl StateServer {
     #[new]
-    #[pyo3(signature = (bind = "0.0.0.0:0", advertise_host = None, token = None, max_bytes_per_s = None, test_corrupt_chunks = 0, test_corrupt_byte = 0))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", advertise_host = None, token = None, max_bytes_per_s = None, test_corrupt_chunks = 0, test_corrupt_byte = 0))]
     fn new(
         py: Python<'_>,
         bind: &str,

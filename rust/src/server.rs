@@ -87,10 +87,31 @@ pub async fn bind(address: &str) -> Result<(TcpListener, SocketAddr), Error> {
     Ok((listener, addr))
 }
 
-/// Serves `routes` on `listener` until `shutdown` is set (or the handle dropped),
-/// letting connections in through `door`.
+/// Binds `host` at the port of `bound` too, unless `bound` already covers it (the same
+/// IP, or all interfaces): a server whose group meets it at one address and its
+/// peers at another listens on both, and on nothing else.
+pub async fn bind_also(bound: SocketAddr, host: &str) -> Result<Option<TcpListener>, Error> {
+    let address = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", bound.port())
+    } else {
+        format!("{host}:{}", bound.port())
+    };
+    let resolved = tokio::net::lookup_host(&address)
+        .await
+        .ok()
+        .and_then(|mut addrs| addrs.next());
+    match resolved {
+        Some(addr) if bound.ip().is_unspecified() || addr.ip() == bound.ip() => Ok(None),
+        _ => bind(&address).await.map(|(listener, _)| Some(listener)),
+    }
+}
+
+/// Serves `routes` on `listener` (and `more` listeners: the handle reports the first
+/// one's address) until `shutdown` is set (or the handle dropped), letting connections
+/// in through `door`.
 pub fn spawn(
     listener: TcpListener,
+    more: Vec<TcpListener>,
     routes: Routes,
     shutdown: watch::Sender<bool>,
     door: Arc<Door>,
@@ -108,13 +129,15 @@ pub fn spawn(
         .add_routes(routes);
     let (admitted, incoming) = mpsc::channel(64);
     let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
-    let accept = tokio::spawn(door::accept(
-        listener,
-        door.clone(),
-        admitted,
-        shutdown.subscribe(),
-    ));
-    let sweep = tokio::spawn(door.sweep(shutdown.subscribe()));
+    let mut tasks = vec![tokio::spawn(door.clone().sweep(shutdown.subscribe()))];
+    for listener in std::iter::once(listener).chain(more) {
+        tasks.push(tokio::spawn(door::accept(
+            listener,
+            door.clone(),
+            admitted.clone(),
+            shutdown.subscribe(),
+        )));
+    }
     let task = tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -123,9 +146,10 @@ pub fn spawn(
             tracing::error!(%addr, "server stopped: {e}");
         }
     });
+    tasks.insert(0, task);
     ServerHandle {
         addr,
         shutdown,
-        tasks: vec![task, accept, sweep],
+        tasks,
     }
 }

@@ -46,6 +46,7 @@ async fn start_manager(
         replica_id: replica_id.into(),
         lighthouse_address: lighthouse_address.into(),
         bind: "127.0.0.1:0".into(),
+        also_bind: None,
         advertise_host: None,
         store_address: format!("{replica_id}-store:29500"),
         world_size,

@@ -131,7 +131,7 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
         .into_axum_router()
         .merge(http::router(shared.clone(), options.token.clone()));
     let door = Door::new(options.connections, shared.metrics.refusals.clone());
-    let mut handle = server::spawn(listener, routes.into(), shutdown, door);
+    let mut handle = server::spawn(listener, Vec::new(), routes.into(), shutdown, door);
     handle.add_task(tokio::spawn(shared.run_deadlines(shutdown_rx)));
     tracing::debug!(
         address = %handle.local_addr(),

@@ -1,7 +1,10 @@
 //! The manager server: one per replica group, hosted by its rank 0. It gathers the
 //! quorum requests of the group's ranks, asks the lighthouse once for the whole group,
 //! hands each rank its plan, decides the group's commit vote, keeps the group's
-//! heartbeat stream open and relays membership-loss events to the ranks.
+//! heartbeat stream open and relays membership-loss events to the ranks. On the same
+//! port, behind the same job token, it serves the group's rendezvous store (see
+//! `crate::store`): the group's own process groups and the cross-group ones of the
+//! quorums this group comes first in meet there.
 
 pub mod plan;
 
@@ -21,13 +24,19 @@ use crate::auth::JobToken;
 use crate::client::{keep_heartbeat, Lease, LighthouseClient, Progress};
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
+use crate::proto::store_server::StoreServer;
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
+use crate::store::service::{max_request_bytes, SharedStore, StoreService};
+use crate::store::StoreLimits;
 use crate::{validate, Error};
 
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// Commit decisions remembered for ranks that vote after the others timed out.
 const DECISIONS_KEPT: usize = 64;
+/// The store key that names the replica group whose manager serves the store: a rank
+/// given another group's MASTER_PORT reads it and says so, instead of joining that group.
+pub const REPLICA_ID_KEY: &str = "phalanx/manager/replica_id";
 
 #[derive(Clone, Debug)]
 pub struct ManagerOptions {
@@ -35,10 +44,15 @@ pub struct ManagerOptions {
     pub lighthouse_address: String,
     /// "host:port" to listen on; port 0 picks a free one.
     pub bind: String,
+    /// Another host to listen on, at the same port: the advertised one, when the
+    /// group's own ranks meet the server at `bind` (e.g. loopback) and the other
+    /// groups at this host. Never all interfaces unless `bind` says so.
+    pub also_bind: Option<String>,
     /// The host peers and ranks use to reach this server; by default the bind host,
     /// or this machine's hostname when binding to all interfaces.
     pub advertise_host: Option<String>,
-    /// The group's rendezvous store, passed on to the cross-group process group.
+    /// The group's rendezvous store, passed on to the cross-group process group; empty:
+    /// the store this server serves itself, at its own address.
     pub store_address: String,
     pub world_size: u32,
     pub heartbeat_interval: Duration,
@@ -166,6 +180,8 @@ struct Shared {
     events: broadcast::Sender<proto::MembershipLost>,
     lease: watch::Receiver<Option<Lease>>,
     refusals: Arc<GroupRefusals>,
+    store: SharedStore,
+    store_address: String,
 }
 
 impl Shared {
@@ -225,7 +241,7 @@ impl Shared {
         let member = proto::Member {
             replica_id: self.options.replica_id.clone(),
             manager_address: self.manager_address.clone(),
-            store_address: self.options.store_address.clone(),
+            store_address: self.store_address.clone(),
             step: gathering.step,
             world_size: self.options.world_size,
             shrink_only: gathering.ranks.values().any(|r| r.shrink_only),
@@ -265,14 +281,23 @@ impl Shared {
                 return;
             }
         };
-        {
+        let previous = {
             let mut g = self.lock();
+            let previous = g.quorum.map(|q| q.id);
             g.last_quorum_id = g.last_quorum_id.max(quorum.quorum_id);
             g.commit_failures = g.commit_failures.saturating_sub(commit_failures);
             g.quorum = Some(StepQuorum {
                 id: quorum.quorum_id,
                 received_at: Instant::now(),
             });
+            previous
+        };
+        if let Some(previous) = previous.filter(|id| *id != quorum.quorum_id) {
+            // Every rank of the group asked for this quorum, so each is done with the
+            // process group of the previous one: its rendezvous keys (if this group
+            // hosted them) are no longer read.
+            let prefix = format!("{}/", plan::quorum_store_prefix(previous));
+            self.store.update(|s| s.remove_prefix(&prefix));
         }
         self.progress.send_modify(|p| {
             p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
@@ -574,7 +599,21 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (lease, lease_rx) = watch::channel(None);
     let refusals = Arc::new(GroupRefusals::default());
     let (listener, bound) = server::bind(&options.bind).await?;
+    let mut more = Vec::new();
+    if let Some(host) = options.also_bind.as_deref().filter(|h| !h.is_empty()) {
+        more.extend(server::bind_also(bound, host).await?);
+    }
     let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
+    let limits = StoreLimits::default();
+    let store = SharedStore::new(limits);
+    store
+        .update(|s| s.set(REPLICA_ID_KEY, options.replica_id.clone().into()))
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    let store_address = if options.store_address.is_empty() {
+        manager_address.clone()
+    } else {
+        options.store_address.clone()
+    };
     let shared = Arc::new(Shared {
         options: options.clone(),
         manager_address: manager_address.clone(),
@@ -584,6 +623,8 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events: events.clone(),
         lease: lease_rx,
         refusals: refusals.clone(),
+        store: store.clone(),
+        store_address,
     });
     let (shutdown, mut stopping) = watch::channel(false);
     let grpc = ManagerServer::new(ManagerService {
@@ -592,8 +633,12 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
+    let store = StoreServer::new(StoreService::new(store))
+        .max_decoding_message_size(max_request_bytes(&limits));
+    let store = InterceptedService::new(store, options.token.clone());
+    let routes = Routes::new(grpc).add_service(store);
     let door = Door::new(options.connections, refusals.own.clone());
-    let mut handle = server::spawn(listener, Routes::new(grpc), shutdown, door);
+    let mut handle = server::spawn(listener, more, routes, shutdown, door);
     let heartbeat = keep_heartbeat(
         lighthouse,
         options.replica_id.clone(),

@@ -109,8 +109,14 @@ pub fn rank_plan(
         contributors: contributors as u32,
         serves_healers,
         store_address: primary.store_address.clone(),
-        store_prefix: format!("phalanx/q{}/r{group_rank}", quorum.quorum_id),
+        store_prefix: format!("{}/r{group_rank}", quorum_store_prefix(quorum.quorum_id)),
     })
+}
+
+/// Where the keys of quorum `quorum_id`'s cross-group process groups live in the
+/// store of its first participant; the store drops them once its group moved on.
+pub fn quorum_store_prefix(quorum_id: u64) -> String {
+    format!("phalanx/q{quorum_id}")
 }
 
 #[cfg(test)]

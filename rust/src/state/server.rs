@@ -86,7 +86,7 @@ pub struct ServerOptions {
 impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
-            bind: "0.0.0.0:0".into(),
+            bind: "127.0.0.1:0".into(),
             advertise_host: None,
             token: JobToken::default(),
             max_bytes_per_s: None,
