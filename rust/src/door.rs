@@ -28,12 +28,14 @@ struct Inside {
     gate: Gate,
     /// Set to true to close the connection.
     closers: HashMap<ConnectionId, watch::Sender<bool>>,
+    /// When the sweeper wakes next (None: not before something changes).
+    sweep_at: Option<std::time::Instant>,
 }
 
 /// The gate of one listener with its I/O.
 pub struct Door {
     inside: Mutex<Inside>,
-    /// Wakes the sweeper when the gate goes from nothing to expire to something.
+    /// Wakes the sweeper when a connection must be closed before it would wake.
     changed: Notify,
     refusals: Refusals,
 }
@@ -44,6 +46,7 @@ impl Door {
             inside: Mutex::new(Inside {
                 gate: Gate::new(limits),
                 closers: HashMap::new(),
+                sweep_at: None,
             }),
             changed: Notify::new(),
             refusals,
@@ -71,7 +74,6 @@ impl Door {
         let (closed_tx, mut closed) = watch::channel(false);
         let id = {
             let mut inside = self.lock();
-            let was_empty = inside.gate.is_empty();
             match inside.gate.admit(peer.ip(), now.into_std()) {
                 Admission::Full => {
                     drop(inside);
@@ -84,7 +86,9 @@ impl Door {
                         self.refusals.count(Refusal::Crowded);
                     }
                     inside.closers.insert(id, closed_tx);
-                    if was_empty {
+                    let deadline = now.into_std() + inside.gate.limits().prove_within;
+                    if inside.sweep_at.is_none_or(|at| deadline < at) {
+                        inside.sweep_at = Some(deadline);
                         self.changed.notify_one();
                     }
                     id
@@ -133,7 +137,8 @@ impl Door {
                         self.refusals.count(Refusal::Unproven);
                     }
                 }
-                inside.gate.next_expiry()
+                inside.sweep_at = inside.gate.next_expiry();
+                inside.sweep_at
             };
             tokio::select! {
                 _ = async {

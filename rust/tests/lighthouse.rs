@@ -874,6 +874,28 @@ async fn a_connection_without_the_token_is_closed_soon_and_every_refusal_is_coun
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_connection_is_closed_on_time_beside_long_lived_proven_ones() {
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        connections: GateLimits {
+            idle: Duration::from_secs(60),
+            ..TIGHT
+        },
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = lighthouse.local_addr();
+    // A proven connection whose idle deadline lies a minute away...
+    let c = client(addr);
+    status_rpc(&c).await;
+    // (past its own proving deadline, so that nothing else is due before that minute)
+    tokio::time::sleep(2 * TIGHT.prove_within).await;
+    // ...does not put off closing a silent one at its own, earlier deadline.
+    let mut silent = TcpStream::connect(addr).await.expect("connect");
+    until_closed(&mut silent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_held_against_the_lighthouse_do_not_keep_a_group_out() {
     let lighthouse = lighthouse::serve(LighthouseOptions {
         connections: GateLimits {
