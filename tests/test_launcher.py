@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 import phalanx
-from phalanx.launcher import rank_mode, resolve
+from phalanx.launcher import build_parser, rank_mode, resolve
 
 from conftest import TESTS, child_env, http_get, write_token_file
 
@@ -374,3 +374,9 @@ def test_sigint_ends_the_launcher_and_every_rank():
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode is not None
     assert not any(alive(pid) for pid in pids)
+
+
+def test_every_option_of_phalanx_run_says_what_it_does_and_its_default():
+    for action in build_parser()._actions:
+        if action.dest != "help":
+            assert action.help and "default" in action.help, action.option_strings

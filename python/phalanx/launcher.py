@@ -498,16 +498,68 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a fault-tolerant training job: N replica groups of W ranks each.",
         usage="phalanx run [options] -- COMMAND [ARGS...]",
     )
-    parser.add_argument("--replicas", type=int, default=1, help="replica groups to start")
-    parser.add_argument("--nproc-per-replica", type=int, default=1, help="ranks per group")
-    parser.add_argument("--lighthouse", help="join this job's lighthouse (HOST:PORT)")
-    parser.add_argument("--lighthouse-bind", default="127.0.0.1:0", help="embedded lighthouse")
-    parser.add_argument("--replica-id", help="the group's id (or the prefix of several)")
-    parser.add_argument("--max-restarts", type=int, default=10)
-    parser.add_argument("--restart-backoff", type=float, default=0.5, help="seconds, doubled")
-    parser.add_argument("--min-replicas", type=int, default=1)
-    parser.add_argument("--join-timeout", type=parse_duration, default=1.0)
-    parser.add_argument("--heartbeat-timeout", type=parse_duration, default=2.0)
+    parser.add_argument(
+        "--replicas", type=int, default=1, metavar="N", help="replica groups to start (default: 1)"
+    )
+    parser.add_argument(
+        "--nproc-per-replica",
+        type=int,
+        default=1,
+        metavar="W",
+        help="ranks per group, e.g. one per GPU of the host; each gets LOCAL_RANK (default: 1)",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        metavar="HOST:PORT",
+        help="join the lighthouse of a job that spans hosts (default: serve one here)",
+    )
+    parser.add_argument(
+        "--lighthouse-bind",
+        metavar="HOST:PORT",
+        default="127.0.0.1:0",
+        help="where the lighthouse served here listens (default: 127.0.0.1, any free port)",
+    )
+    parser.add_argument(
+        "--replica-id",
+        metavar="ID",
+        help="the group's id, unique in the job; with --replicas N, the prefix of the "
+        "N ids (default: group, giving group0, group1, …)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10,
+        metavar="K",
+        help="restarts of one group before the launcher gives up on it (default: 10)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="wait before a group's first restart, doubled on each next (default: 0.5)",
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fewest groups a step may run with (lighthouse served here; default: 1)",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=parse_duration,
+        default=1.0,
+        metavar="DURATION",
+        help="how long a quorum waits for a late live group (lighthouse served here; default: 1s)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=parse_duration,
+        default=2.0,
+        metavar="DURATION",
+        help="silence after which a group is declared dead (lighthouse served here; default: 2s)",
+    )
     parser.add_argument(
         "--token",
         help="the job token (default: PHALANX_TOKEN, else a new random one); other "
@@ -522,13 +574,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--insecure",
         action="store_true",
-        help="with --lighthouse and no token: run this launcher's groups without one",
+        help="with --lighthouse and no token: run this launcher's groups without one, open "
+        "to anyone who can reach them (default: off)",
     )
-    parser.add_argument("--master-addr", default="127.0.0.1", help="host of the groups' stores")
     parser.add_argument(
-        "--chaos", action="append", default=[], help="kill-every=15s, hang-every=…,hang-for=…"
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address this host's groups' rank 0 listens on for its manager server and "
+        "rendezvous store: MASTER_ADDR of the ranks (default: 127.0.0.1)",
     )
-    parser.add_argument("--chaos-seed", type=int, default=0)
+    parser.add_argument(
+        "--chaos",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject failures on purpose, e.g. kill-every=15s (SIGKILL a random group), "
+        "hang-every=30s,hang-for=5s (SIGSTOP one); repeatable (default: none)",
+    )
+    parser.add_argument(
+        "--chaos-seed",
+        type=int,
+        default=0,
+        metavar="SEED",
+        help="seed of the chaos' choices (default: 0)",
+    )
     parser.add_argument(
         "--fork-server",
         action=argparse.BooleanOptionalAction,
