@@ -57,17 +57,6 @@ impl Door {
         self.inside.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn refusals(&self) -> &Refusals {
-        &self.refusals
-    }
-
-    /// Connections held now (proven, unproven).
-    pub fn occupancy(&self) -> (usize, usize) {
-        let inside = self.lock();
-        let unproven = inside.gate.unproven_len();
-        (inside.gate.len() - unproven, unproven)
-    }
-
     /// Lets `stream` in, or drops it when every slot holds a proven connection.
     pub fn enter(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr) -> Option<Guarded> {
         let now = Instant::now();
