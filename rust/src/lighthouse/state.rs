@@ -525,8 +525,15 @@ impl LighthouseState {
     /// Records every group's step for its step rate, and forgets lost groups that are
     /// old news. Called by the deadline task, about once per heartbeat timeout.
     pub fn sample_steps(&mut self, now: Instant) {
-        for r in self.replicas.values_mut() {
-            r.steps.record(r.pulse.last_beat(), r.pulse.step(), now);
+        let max_step = self.max_step();
+        let quorum = self.previous.as_ref();
+        for (id, r) in self.replicas.iter_mut() {
+            let step = r.pulse.step();
+            if stepping(quorum, id, step, max_step) {
+                r.steps.record(r.pulse.last_beat(), step, now);
+            } else {
+                r.steps = StepSamples::default();
+            }
         }
         self.forget_lost(now);
     }
@@ -738,7 +745,9 @@ impl LighthouseState {
             // lower step is fetching the state it lacks from a peer (until its next
             // quorum request reports the step it caught up to).
             healing: in_quorum && step < max_step,
-            step_rate: r.steps.rate((last_beat, step), now),
+            step_rate: stepping(self.previous.as_ref(), id, step, max_step)
+                .then(|| r.steps.rate((last_beat, step), now))
+                .flatten(),
             heartbeat_age_ms: now.saturating_duration_since(last_beat).as_millis() as u64,
             peer: r
                 .stream
@@ -748,6 +757,13 @@ impl LighthouseState {
             history: r.history,
         }
     }
+}
+
+/// Whether a group trains, as far as its steps tell: a member of the current quorum at
+/// or above the quorum's max step. A heal, or a restarted group's first quorum, moves
+/// its step by a jump that says nothing of its speed; its rate starts from there.
+fn stepping(quorum: Option<&Quorum>, replica_id: &str, step: i64, max_step: i64) -> bool {
+    quorum.is_some_and(|q| q.contains(replica_id)) && step >= max_step
 }
 
 /// The lighthouse as the status page, `/status` and the `Status` RPC show it.
@@ -782,7 +798,8 @@ pub struct ReplicaSnapshot {
     pub step: i64,
     /// A member of the current quorum still below its max step: catching up.
     pub healing: bool,
-    /// Steps per second over the last half minute or so; none until measured.
+    /// Steps per second over the last half minute or so, while it is a member of the
+    /// quorum and not healing; none until measured.
     pub step_rate: Option<f64>,
     pub heartbeat_age_ms: u64,
     pub peer: String,
@@ -1063,6 +1080,7 @@ mod tests {
         let t = Instant::now();
         let mut s = state();
         let ((_, a), _ea) = open(&mut s, "a", t);
+        form_quorum(&mut s, &["a"], t);
         let at = |ms: u64| t + Duration::from_millis(ms);
         s.sample_steps(at(0));
         a.beat(at(500), 5, 0);
@@ -1108,5 +1126,30 @@ mod tests {
         b.beat(t, 10, 1);
         a.beat(t, 11, 1);
         assert_eq!(healing(&s), [false, false, false]);
+    }
+
+    #[test]
+    fn a_heals_jump_is_no_speed_the_rate_counts_from_where_it_caught_up() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        let ((_, b), _eb) = open(&mut s, "b", t);
+        join_at_step(&mut s, "a", 1000, t);
+        join_at_step(&mut s, "b", 0, t);
+        s.evaluate(t, 0).expect("quorum");
+        let rate = |s: &LighthouseState, ms| s.snapshot(at(ms)).replicas[1].step_rate;
+        for second in 0..3 {
+            a.beat(at(second * 1000), 1000 + second as i64, 1);
+            b.beat(at(second * 1000), 0, 1);
+            s.sample_steps(at(second * 1000));
+        }
+        assert_eq!(rate(&s, 2000), None, "healing");
+        // Healed to 1000, then a step a second.
+        for second in 3..6 {
+            b.beat(at(second * 1000), 1000 + second as i64 - 3, 1);
+            s.sample_steps(at(second * 1000));
+        }
+        assert_eq!(rate(&s, 5000), Some(1.0));
     }
 }
