@@ -74,7 +74,8 @@ async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
 /// OpenMetrics to a scraper that asks for it (Prometheus does), else the older text
 /// format that every other reader (promtool, curl) expects.
 async fn metrics(State(shared): State<Arc<Shared>>, headers: HeaderMap) -> impl IntoResponse {
-    let text = shared.metrics.render();
+    let snapshot = shared.lock().snapshot(Instant::now());
+    let text = shared.metrics.render(&snapshot);
     let openmetrics = headers
         .get_all(header::ACCEPT)
         .iter()

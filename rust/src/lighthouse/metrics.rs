@@ -1,6 +1,7 @@
 //! Prometheus metrics of the lighthouse, served at `/metrics`.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use prometheus_client::encoding::text::encode;
@@ -10,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use super::state::Eviction;
+use super::state::{Eviction, Snapshot};
 use crate::gate::{RefusalCounts, Refusals};
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -129,12 +130,103 @@ impl Metrics {
         *before = counts;
     }
 
-    /// In OpenMetrics' text format.
-    pub fn render(&self) -> String {
+    /// In OpenMetrics' text format, with the per-group series of `snapshot`.
+    pub fn render(&self, snapshot: &Snapshot) -> String {
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        // One exposition: the group families go before the end marker.
+        if out.ends_with(EOF) {
+            out.truncate(out.len() - EOF.len());
+        }
+        encode(&mut out, &group_registry(snapshot)).expect("writing to a String cannot fail");
         out
     }
+}
+
+const EOF: &str = "# EOF\n";
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// The per-group series an operator alerts on, made afresh from a snapshot at each
+/// scrape: a group's series are there while it is live or recently lost (see
+/// `state::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
+fn group_registry(snapshot: &Snapshot) -> Registry {
+    let live = Family::<GroupLabels, Gauge>::default();
+    let step = Family::<GroupLabels, Gauge>::default();
+    let step_rate = Family::<GroupLabels, FloatGauge>::default();
+    let healing = Family::<GroupLabels, Gauge>::default();
+    let heartbeat_age = Family::<GroupLabels, FloatGauge>::default();
+    let losses = Family::<GroupLabels, Counter>::default();
+    let returns = Family::<GroupLabels, Counter>::default();
+    let group = |id: &str| vec![("replica_id", id.to_string())];
+    let mut histories = Vec::new();
+    for r in &snapshot.replicas {
+        live.get_or_create(&group(&r.replica_id)).set(1);
+        step.get_or_create(&group(&r.replica_id)).set(r.step);
+        if let Some(rate) = r.step_rate {
+            step_rate.get_or_create(&group(&r.replica_id)).set(rate);
+        }
+        healing
+            .get_or_create(&group(&r.replica_id))
+            .set(r.healing.into());
+        heartbeat_age
+            .get_or_create(&group(&r.replica_id))
+            .set(r.heartbeat_age_ms as f64 / 1000.0);
+        histories.push((&r.replica_id, r.history));
+    }
+    for l in &snapshot.lost {
+        live.get_or_create(&group(&l.replica_id)).set(0);
+        histories.push((&l.replica_id, l.history));
+    }
+    for (id, history) in histories {
+        for cause in Eviction::ALL {
+            let mut labels = group(id);
+            labels.push(("cause", cause.as_str().to_string()));
+            losses
+                .get_or_create(&labels)
+                .inc_by(history.losses.of(cause));
+        }
+        returns.get_or_create(&group(id)).inc_by(history.returns);
+    }
+    let mut registry = Registry::with_prefix("phalanx_lighthouse");
+    registry.register(
+        "group_live",
+        "1 for a live replica group, 0 for one declared dead in the last minutes",
+        live,
+    );
+    registry.register(
+        "group_step",
+        "The step a live replica group reported last",
+        step,
+    );
+    registry.register(
+        "group_step_rate",
+        "Steps per second of a live replica group over the last half minute",
+        step_rate,
+    );
+    registry.register(
+        "group_healing",
+        "1 while a member of the current quorum reports a step below the quorum's max \
+         step (it is fetching the state it lacks)",
+        healing,
+    );
+    registry.register(
+        "group_heartbeat_age_seconds",
+        "Time since a live replica group's last heartbeat",
+        heartbeat_age,
+    );
+    registry.register(
+        "group_losses",
+        "Times a replica group was declared dead, by cause (kept while it is live or \
+         lost in the last minutes)",
+        losses,
+    );
+    registry.register(
+        "group_returns",
+        "Times a replica group came back after it was declared dead (restarts)",
+        returns,
+    );
+    registry
 }
 
 /// The samples of an OpenMetrics exposition in Prometheus' older text format
@@ -173,6 +265,82 @@ pub fn prometheus_text(openmetrics: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lighthouse::state::{History, Losses, LostSnapshot, ReplicaSnapshot};
+
+    fn snapshot(replicas: Vec<ReplicaSnapshot>, lost: Vec<LostSnapshot>) -> Snapshot {
+        Snapshot {
+            quorum_id: 3,
+            quorum_members: Vec::new(),
+            max_step: 0,
+            replicas,
+            lost,
+            waiting_for: String::new(),
+            quorums_issued: 3,
+            min_replicas: 1,
+            join_timeout_ms: 1000,
+            heartbeat_timeout_ms: 2000,
+            lost_kept_for_ms: 600_000,
+            lost_kept: 32,
+        }
+    }
+
+    fn history(stream_broken: u64, returns: u64) -> History {
+        History {
+            losses: Losses {
+                stream_broken,
+                heartbeat_timeout: 0,
+            },
+            returns,
+        }
+    }
+
+    #[test]
+    fn live_and_recently_lost_groups_have_their_own_series() {
+        let healing = ReplicaSnapshot {
+            replica_id: "a".into(),
+            connected: true,
+            joined: false,
+            in_quorum: true,
+            step: 41,
+            healing: true,
+            step_rate: Some(2.5),
+            heartbeat_age_ms: 120,
+            peer: "127.0.0.1:5000".into(),
+            history: history(1, 1),
+        };
+        let lost = LostSnapshot {
+            replica_id: "b".into(),
+            cause: Eviction::StreamBroken,
+            lost_ms_ago: 5000,
+            step: 40,
+            was_member: true,
+            peer: String::new(),
+            history: history(2, 1),
+        };
+        let text = Metrics::new().render(&snapshot(vec![healing], vec![lost]));
+        for sample in [
+            r#"phalanx_lighthouse_group_live{replica_id="a"} 1"#,
+            r#"phalanx_lighthouse_group_live{replica_id="b"} 0"#,
+            r#"phalanx_lighthouse_group_step{replica_id="a"} 41"#,
+            r#"phalanx_lighthouse_group_step_rate{replica_id="a"} 2.5"#,
+            r#"phalanx_lighthouse_group_healing{replica_id="a"} 1"#,
+            r#"phalanx_lighthouse_group_heartbeat_age_seconds{replica_id="a"} 0.12"#,
+            r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="stream_broken"} 2"#,
+            r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="heartbeat_timeout"} 0"#,
+            r#"phalanx_lighthouse_group_returns_total{replica_id="a"} 1"#,
+        ] {
+            assert!(
+                text.contains(&format!("{sample}\n")),
+                "{sample} missing:\n{text}"
+            );
+        }
+        assert!(
+            !text.contains(r#"group_step{replica_id="b"}"#),
+            "a lost group has no step"
+        );
+        assert_eq!(text.matches("# EOF").count(), 1);
+        assert!(text.ends_with("# EOF\n"));
+    }
 
     #[test]
     fn counters_are_named_by_their_samples_in_the_prometheus_text_format() {
@@ -187,7 +355,7 @@ mod tests {
 
     #[test]
     fn every_family_is_there_before_its_first_event() {
-        let text = Metrics::new().render();
+        let text = Metrics::new().render(&snapshot(Vec::new(), Vec::new()));
         for family in [
             "evictions",
             "refused_requests",

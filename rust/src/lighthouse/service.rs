@@ -90,6 +90,7 @@ impl Shared {
                 for (_, cause) in st.expire(now) {
                     self.evicted(cause);
                 }
+                st.sample_steps(now);
                 self.evaluate(&mut st, now);
                 let next = st.next_wakeup();
                 st.ticker_deadline = next;
@@ -296,7 +297,8 @@ impl Lighthouse for LighthouseService {
                     }
                     Ok(None) | Err(_) => {
                         let mut st = shared.lock();
-                        if let Some(cause) = st.close_stream(&replica_id, stream_id) {
+                        if let Some(cause) = st.close_stream(&replica_id, stream_id, Instant::now())
+                        {
                             shared.evicted(cause);
                             tracing::info!(
                                 replica_id,

@@ -5,7 +5,7 @@
 //! Every method takes `now`, so the transitions are tested without sockets or sleeps.
 //! The server (`service.rs`) holds this behind one mutex and never awaits inside it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +20,19 @@ use crate::proto;
 use crate::quorum::{
     self, Decision, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId, WaitReason,
 };
+
+/// Lost groups stay on the status page (and in `/metrics`) this long, and at most
+/// `LOST_KEPT` of them: long enough to see what happened over a coffee break, few
+/// enough that a job losing groups in a loop keeps a bounded page and label set.
+pub const LOST_KEPT_FOR: Duration = Duration::from_secs(600);
+pub const LOST_KEPT: usize = 32;
+
+/// A group's step rate is measured over about this long: long enough to span a few
+/// samples of the deadline task (it looks about once per heartbeat timeout), short
+/// enough to show a slowdown within a minute.
+const STEP_RATE_WINDOW: Duration = Duration::from_secs(30);
+/// Samples closer together than this add nothing to the rate but memory.
+const STEP_SAMPLE_SPACING: Duration = Duration::from_secs(1);
 
 /// Why a replica group was declared dead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,6 +54,85 @@ impl Eviction {
     }
 }
 
+impl serde::Serialize for Eviction {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+/// How often a replica id was declared dead, by cause.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Losses {
+    pub stream_broken: u64,
+    pub heartbeat_timeout: u64,
+}
+
+impl Losses {
+    pub fn of(&self, cause: Eviction) -> u64 {
+        match cause {
+            Eviction::StreamBroken => self.stream_broken,
+            Eviction::HeartbeatTimeout => self.heartbeat_timeout,
+        }
+    }
+
+    fn count(&mut self, cause: Eviction) {
+        match cause {
+            Eviction::StreamBroken => self.stream_broken += 1,
+            Eviction::HeartbeatTimeout => self.heartbeat_timeout += 1,
+        }
+    }
+}
+
+/// What the lighthouse remembers of a replica id across its deaths. It travels with the
+/// group, live or recently lost, and is forgotten with it: a group that comes back
+/// after `LOST_KEPT_FOR` starts from zero, as a new one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct History {
+    pub losses: Losses,
+    /// Times it came back (the same replica id heartbeating or asking for a quorum
+    /// again) after being declared dead: restarts, or a hung group waking up.
+    pub returns: u64,
+}
+
+/// The steps a group reported, sampled by the deadline task: beats bypass the lock, so
+/// the state sees a group's progress only when it looks.
+#[derive(Debug, Default)]
+struct StepSamples(VecDeque<(Instant, i64)>);
+
+impl StepSamples {
+    /// `step` as reported by the beat at `at`; samples older than the window go.
+    fn record(&mut self, at: Instant, step: i64, now: Instant) {
+        if self
+            .0
+            .back()
+            .is_some_and(|&(last, _)| at < last + STEP_SAMPLE_SPACING)
+        {
+            return;
+        }
+        self.0.push_back((at, step));
+        while self
+            .0
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_duration_since(t) > STEP_RATE_WINDOW)
+        {
+            self.0.pop_front();
+        }
+    }
+
+    /// Steps per second from the oldest sample within the window to `latest`; none
+    /// until a second of beats has been seen, or when the step went back.
+    fn rate(&self, latest: (Instant, i64), now: Instant) -> Option<f64> {
+        let &(from, first) = self
+            .0
+            .iter()
+            .find(|&&(t, _)| now.saturating_duration_since(t) <= STEP_RATE_WINDOW)?;
+        let (to, last) = latest;
+        let span = to.checked_duration_since(from)?;
+        (span >= STEP_SAMPLE_SPACING && last >= first)
+            .then(|| (last - first) as f64 / span.as_secs_f64())
+    }
+}
+
 /// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
 pub type QuorumReply = Result<Bytes, Status>;
 
@@ -56,6 +148,22 @@ struct HeartbeatStream {
 struct Replica {
     pulse: Arc<Pulse>,
     stream: Option<HeartbeatStream>,
+    history: History,
+    steps: StepSamples,
+}
+
+/// A group declared dead, kept for the status page (see `LOST_KEPT_FOR`).
+struct Lost {
+    replica_id: ReplicaId,
+    cause: Eviction,
+    at: Instant,
+    /// The last step it reported.
+    step: i64,
+    /// It was a member of the quorum current when it died.
+    was_member: bool,
+    /// Where its heartbeat stream came from (empty: it had none).
+    peer: String,
+    history: History,
 }
 
 struct PendingJoin {
@@ -85,6 +193,8 @@ pub struct LighthouseState {
     quorums_issued: u64,
     next_ticket: u64,
     waiting: (WaitReason, Option<Instant>),
+    /// Groups declared dead recently, oldest first.
+    lost: VecDeque<Lost>,
     /// When the background task is set to wake; lets handlers wake it only when an
     /// earlier deadline appears.
     pub(crate) ticker_deadline: Option<Instant>,
@@ -127,6 +237,7 @@ impl LighthouseState {
             quorums_issued: 0,
             next_ticket: 0,
             waiting: (WaitReason::NoJoiners, None),
+            lost: VecDeque::new(),
             ticker_deadline: None,
         }
     }
@@ -206,15 +317,28 @@ impl LighthouseState {
             None => {
                 let pulse = self.new_pulse(now, step);
                 pulse.beat(now, step, last_quorum_id);
+                let history = self.returned(replica_id);
                 self.replicas.insert(
                     replica_id.to_string(),
                     Replica {
                         pulse,
                         stream: None,
+                        history,
+                        steps: StepSamples::default(),
                     },
                 );
             }
         }
+    }
+
+    /// The history of a replica id that is live again: a return, if it was lost.
+    fn returned(&mut self, replica_id: &str) -> History {
+        let Some(at) = self.lost.iter().position(|l| l.replica_id == replica_id) else {
+            return History::default();
+        };
+        let mut history = self.lost.remove(at).map(|l| l.history).unwrap_or_default();
+        history.returns += 1;
+        history
     }
 
     /// The heartbeat stream of `replica_id`, if it beat within the heartbeat timeout.
@@ -254,19 +378,24 @@ impl LighthouseState {
         // A group whose old stream went silent is dead: its peers learn it now, and
         // the new stream starts without a lease.
         if self.replicas.get(id).is_some_and(|r| r.stream.is_some()) {
-            self.evict(id, Eviction::HeartbeatTimeout);
+            self.evict(id, Eviction::HeartbeatTimeout, now);
         }
         // A fresh pulse: a stale stream of the same group, should it wake up, beats
         // into its own retired one and ends. A group known so far only from its quorum
         // requests keeps the quorum it is a member of.
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
-        if let Some(known) = self.replicas.get(id) {
-            pulse.set_lease_quorum(known.pulse.lease_quorum());
-        }
+        let (history, steps) = match self.replicas.remove(id) {
+            Some(known) => {
+                pulse.set_lease_quorum(known.pulse.lease_quorum());
+                known.pulse.retire();
+                (known.history, known.steps)
+            }
+            None => (self.returned(id), StepSamples::default()),
+        };
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
-        let replaced = self.replicas.insert(
+        self.replicas.insert(
             id.clone(),
             Replica {
                 pulse: pulse.clone(),
@@ -276,16 +405,20 @@ impl LighthouseState {
                     peer,
                     manager_address: beat.manager_address.clone(),
                 }),
+                history,
+                steps,
             },
         );
-        if let Some(old) = replaced {
-            old.pulse.retire();
-        }
         Ok((stream_id, pulse))
     }
 
     /// The stream dropped: the group is dead now, not after a timeout.
-    pub fn close_stream(&mut self, replica_id: &str, stream_id: u64) -> Option<Eviction> {
+    pub fn close_stream(
+        &mut self,
+        replica_id: &str,
+        stream_id: u64,
+        now: Instant,
+    ) -> Option<Eviction> {
         let ours = self
             .replicas
             .get(replica_id)
@@ -294,7 +427,7 @@ impl LighthouseState {
         if !ours {
             return None;
         }
-        self.evict(replica_id, Eviction::StreamBroken);
+        self.evict(replica_id, Eviction::StreamBroken, now);
         Some(Eviction::StreamBroken)
     }
 
@@ -313,7 +446,7 @@ impl LighthouseState {
             .map(|(id, _)| id.clone())
             .collect();
         for id in &stale {
-            self.evict(id, Eviction::HeartbeatTimeout);
+            self.evict(id, Eviction::HeartbeatTimeout, now);
         }
         stale
             .into_iter()
@@ -321,11 +454,13 @@ impl LighthouseState {
             .collect()
     }
 
-    /// Forgets a dead group (nothing of it stays in memory), answers its pending
-    /// request, and tells the other members of the current quorum at once.
-    fn evict(&mut self, replica_id: &str, cause: Eviction) {
+    /// Forgets a dead group (only what the status page shows of it stays, for a
+    /// while), answers its pending request, and tells the other members of the current
+    /// quorum at once.
+    fn evict(&mut self, replica_id: &str, cause: Eviction, now: Instant) {
         if let Some(r) = self.replicas.remove(replica_id) {
             r.pulse.retire();
+            self.remember_lost(replica_id, r, cause, now);
         }
         self.joiners.remove(replica_id);
         if let Some(p) = self.pending.remove(replica_id) {
@@ -355,6 +490,52 @@ impl LighthouseState {
                 let _ = stream.events.try_send(Ok(event.clone()));
             }
         }
+    }
+
+    fn remember_lost(&mut self, replica_id: &str, r: Replica, cause: Eviction, now: Instant) {
+        let mut history = r.history;
+        history.losses.count(cause);
+        self.lost.push_back(Lost {
+            replica_id: replica_id.to_string(),
+            cause,
+            at: now,
+            step: r.pulse.step(),
+            was_member: self
+                .previous
+                .as_ref()
+                .is_some_and(|q| q.contains(replica_id)),
+            peer: r.stream.map(|s| s.peer).unwrap_or_default(),
+            history,
+        });
+        self.forget_lost(now);
+    }
+
+    /// Drops lost groups beyond `LOST_KEPT` or older than `LOST_KEPT_FOR`.
+    fn forget_lost(&mut self, now: Instant) {
+        while self.lost.len() > LOST_KEPT
+            || self
+                .lost
+                .front()
+                .is_some_and(|l| now.saturating_duration_since(l.at) > LOST_KEPT_FOR)
+        {
+            self.lost.pop_front();
+        }
+    }
+
+    /// Records every group's step for its step rate, and forgets lost groups that are
+    /// old news. Called by the deadline task, about once per heartbeat timeout.
+    pub fn sample_steps(&mut self, now: Instant) {
+        let max_step = self.max_step();
+        let quorum = self.previous.as_ref();
+        for (id, r) in self.replicas.iter_mut() {
+            let step = r.pulse.step();
+            if stepping(quorum, id, step, max_step) {
+                r.steps.record(r.pulse.last_beat(), step, now);
+            } else {
+                r.steps = StepSamples::default();
+            }
+        }
+        self.forget_lost(now);
     }
 
     /// The lighthouse is stopping: fails every waiting request and ends every heartbeat
@@ -488,27 +669,38 @@ impl LighthouseState {
         self.previous.as_ref()
     }
 
+    /// The highest step among the members of the current quorum: where they all start
+    /// from once it is issued.
+    fn max_step(&self) -> i64 {
+        self.previous
+            .as_ref()
+            .and_then(|q| q.members.iter().map(|m| m.step).max())
+            .unwrap_or(0)
+    }
+
     pub fn snapshot(&self, now: Instant) -> Snapshot {
+        let max_step = self.max_step();
         let mut replicas: Vec<ReplicaSnapshot> = self
             .replicas
             .iter()
-            .map(|(id, r)| ReplicaSnapshot {
-                replica_id: id.clone(),
-                connected: r.stream.is_some(),
-                joined: self.joiners.contains_key(id),
-                in_quorum: self.previous.as_ref().is_some_and(|q| q.contains(id)),
-                step: r.pulse.step(),
-                heartbeat_age_ms: now
-                    .saturating_duration_since(r.pulse.last_beat())
-                    .as_millis() as u64,
-                peer: r
-                    .stream
-                    .as_ref()
-                    .map(|s| s.peer.clone())
-                    .unwrap_or_default(),
-            })
+            .map(|(id, r)| self.replica_snapshot(id, r, max_step, now))
             .collect();
         replicas.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        let lost = self
+            .lost
+            .iter()
+            .rev()
+            .filter(|l| now.saturating_duration_since(l.at) <= LOST_KEPT_FOR)
+            .map(|l| LostSnapshot {
+                replica_id: l.replica_id.clone(),
+                cause: l.cause,
+                lost_ms_ago: now.saturating_duration_since(l.at).as_millis() as u64,
+                step: l.step,
+                was_member: l.was_member,
+                peer: l.peer.clone(),
+                history: l.history,
+            })
+            .collect();
         Snapshot {
             quorum_id: self.previous.as_ref().map_or(0, |q| q.id),
             quorum_members: self
@@ -516,7 +708,9 @@ impl LighthouseState {
                 .as_ref()
                 .map(|q| q.replica_ids().map(str::to_string).collect())
                 .unwrap_or_default(),
+            max_step,
             replicas,
+            lost,
             waiting_for: if self.joiners.is_empty() {
                 String::new()
             } else {
@@ -526,8 +720,50 @@ impl LighthouseState {
             min_replicas: self.config.min_replicas as u32,
             join_timeout_ms: self.config.join_timeout.as_millis() as u64,
             heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
+            lost_kept_for_ms: LOST_KEPT_FOR.as_millis() as u64,
+            lost_kept: LOST_KEPT as u32,
         }
     }
+
+    fn replica_snapshot(
+        &self,
+        id: &str,
+        r: &Replica,
+        max_step: i64,
+        now: Instant,
+    ) -> ReplicaSnapshot {
+        let in_quorum = self.previous.as_ref().is_some_and(|q| q.contains(id));
+        let (last_beat, step) = (r.pulse.last_beat(), r.pulse.step());
+        ReplicaSnapshot {
+            replica_id: id.to_string(),
+            connected: r.stream.is_some(),
+            joined: self.joiners.contains_key(id),
+            in_quorum,
+            step,
+            // The lighthouse does not see a heal, only the steps groups report. Every
+            // member of a quorum starts from its max step; one that still reports a
+            // lower step is fetching the state it lacks from a peer (until its next
+            // quorum request reports the step it caught up to).
+            healing: in_quorum && step < max_step,
+            step_rate: stepping(self.previous.as_ref(), id, step, max_step)
+                .then(|| r.steps.rate((last_beat, step), now))
+                .flatten(),
+            heartbeat_age_ms: now.saturating_duration_since(last_beat).as_millis() as u64,
+            peer: r
+                .stream
+                .as_ref()
+                .map(|s| s.peer.clone())
+                .unwrap_or_default(),
+            history: r.history,
+        }
+    }
+}
+
+/// Whether a group trains, as far as its steps tell: a member of the current quorum at
+/// or above the quorum's max step. A heal, or a restarted group's first quorum, moves
+/// its step by a jump that says nothing of its speed; its rate starts from there.
+fn stepping(quorum: Option<&Quorum>, replica_id: &str, step: i64, max_step: i64) -> bool {
+    quorum.is_some_and(|q| q.contains(replica_id)) && step >= max_step
 }
 
 /// The lighthouse as the status page, `/status` and the `Status` RPC show it.
@@ -535,24 +771,54 @@ impl LighthouseState {
 pub struct Snapshot {
     pub quorum_id: QuorumId,
     pub quorum_members: Vec<ReplicaId>,
+    /// The highest step among the current quorum's members when it was issued.
+    pub max_step: i64,
+    /// Live groups, by replica id.
     pub replicas: Vec<ReplicaSnapshot>,
+    /// Groups declared dead recently, most recent first.
+    pub lost: Vec<LostSnapshot>,
     /// Why the next quorum is not issued yet; empty when nobody is waiting.
     pub waiting_for: String,
     pub quorums_issued: u64,
     pub min_replicas: u32,
     pub join_timeout_ms: u64,
     pub heartbeat_timeout_ms: u64,
+    /// How long, and how many, lost groups are kept.
+    pub lost_kept_for_ms: u64,
+    pub lost_kept: u32,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ReplicaSnapshot {
     pub replica_id: ReplicaId,
     pub connected: bool,
+    /// Asking for a quorum now.
     pub joined: bool,
     pub in_quorum: bool,
     pub step: i64,
+    /// A member of the current quorum still below its max step: catching up.
+    pub healing: bool,
+    /// Steps per second over the last half minute or so, while it is a member of the
+    /// quorum and not healing; none until measured.
+    pub step_rate: Option<f64>,
     pub heartbeat_age_ms: u64,
     pub peer: String,
+    #[serde(flatten)]
+    pub history: History,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LostSnapshot {
+    pub replica_id: ReplicaId,
+    pub cause: Eviction,
+    pub lost_ms_ago: u64,
+    /// The last step it reported.
+    pub step: i64,
+    /// It was a member of the quorum current when it died.
+    pub was_member: bool,
+    pub peer: String,
+    #[serde(flatten)]
+    pub history: History,
 }
 
 #[cfg(test)]
@@ -618,7 +884,10 @@ mod tests {
         let ((a_stream, _), mut a_events) = open(&mut s, "a", t);
         let ((b_stream, b_pulse), _b_events) = open(&mut s, "b", t);
         form_quorum(&mut s, &["a", "b"], t);
-        assert_eq!(s.close_stream("b", b_stream), Some(Eviction::StreamBroken));
+        assert_eq!(
+            s.close_stream("b", b_stream, t),
+            Some(Eviction::StreamBroken)
+        );
         assert!(b_pulse.is_retired(), "its stream task must end");
         let event = a_events.try_recv().unwrap().unwrap();
         let Some(proto::lighthouse_event::Event::MembershipLost(lost)) = event.event else {
@@ -628,7 +897,7 @@ mod tests {
         assert_eq!(lost.cause, "stream_broken");
         assert_eq!(s.live_replicas(), 1);
         // A stale stream id (an old connection closing late) changes nothing.
-        assert_eq!(s.close_stream("a", a_stream + 100), None);
+        assert_eq!(s.close_stream("a", a_stream + 100, t), None);
     }
 
     #[test]
@@ -729,5 +998,158 @@ mod tests {
         assert!(s.snapshot(t).replicas.iter().all(|r| !r.joined));
         assert!(s.evaluate(t, 0).is_none());
         assert_eq!(s.waiting_reason(), &WaitReason::NoJoiners);
+    }
+
+    fn join_at_step(s: &mut LighthouseState, id: &str, step: i64, now: Instant) {
+        let (tx, _rx) = oneshot::channel();
+        s.join(quorum::Member { step, ..member(id) }, 0, now, tx)
+            .unwrap();
+    }
+
+    #[test]
+    fn a_lost_group_is_shown_with_why_and_its_return_is_counted() {
+        let t = Instant::now();
+        let mut s = state();
+        let _a = open(&mut s, "a", t);
+        let ((b_stream, _), _eb) = open(&mut s, "b", t);
+        form_quorum(&mut s, &["a", "b"], t);
+        let killed = t + Duration::from_secs(1);
+        s.close_stream("b", b_stream, killed);
+
+        let snap = s.snapshot(killed + Duration::from_millis(250));
+        assert_eq!(snap.replicas.len(), 1);
+        let [lost] = &snap.lost[..] else {
+            panic!("one lost group expected: {:?}", snap.lost);
+        };
+        assert_eq!(lost.replica_id, "b");
+        assert_eq!(lost.cause, Eviction::StreamBroken);
+        assert_eq!(lost.lost_ms_ago, 250);
+        assert!(lost.was_member);
+        assert_eq!(lost.peer, "test");
+        assert_eq!(lost.history.losses.stream_broken, 1);
+
+        // Restarted: live again, no longer lost, its loss and return counted.
+        let back = killed + Duration::from_secs(5);
+        let (_b, _eb) = open(&mut s, "b", back);
+        let snap = s.snapshot(back);
+        assert!(snap.lost.is_empty());
+        let b = &snap.replicas[1];
+        assert_eq!((b.history.losses.stream_broken, b.history.returns), (1, 1));
+
+        // Hung this time: the second loss has its own cause, the history goes on.
+        let expired = s.expire(back + Duration::from_secs(2));
+        assert_eq!(expired.len(), 2);
+        let snap = s.snapshot(back + Duration::from_secs(2));
+        let b = snap.lost.iter().find(|l| l.replica_id == "b").unwrap();
+        assert_eq!(b.cause, Eviction::HeartbeatTimeout);
+        assert_eq!(
+            b.history.losses,
+            Losses {
+                stream_broken: 1,
+                heartbeat_timeout: 1
+            }
+        );
+        assert_eq!(b.history.returns, 1);
+    }
+
+    #[test]
+    fn lost_groups_are_kept_for_ten_minutes_and_at_most_32_then_start_afresh() {
+        let t = Instant::now();
+        let mut s = state();
+        for i in 0..40 {
+            let id = format!("g{i:02}");
+            let ((stream, _), _) = open(&mut s, &id, t);
+            s.close_stream(&id, stream, t + Duration::from_secs(i));
+        }
+        let snap = s.snapshot(t + Duration::from_secs(40));
+        assert_eq!(snap.lost.len(), LOST_KEPT);
+        assert_eq!(snap.lost[0].replica_id, "g39", "most recent first");
+        assert_eq!(snap.lost[LOST_KEPT - 1].replica_id, "g08");
+
+        let later = t + Duration::from_secs(39) + LOST_KEPT_FOR + Duration::from_millis(1);
+        assert!(s.snapshot(later).lost.is_empty());
+        s.sample_steps(later);
+        assert!(s.lost.is_empty(), "forgotten, not only hidden");
+        // Back after it was forgotten: a new group as far as anyone can tell.
+        let _g = open(&mut s, "g39", later);
+        assert_eq!(s.snapshot(later).replicas[0].history, History::default());
+    }
+
+    #[test]
+    fn a_groups_step_rate_is_measured_over_the_samples_of_the_last_half_minute() {
+        let t = Instant::now();
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        form_quorum(&mut s, &["a"], t);
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        s.sample_steps(at(0));
+        a.beat(at(500), 5, 0);
+        assert_eq!(s.snapshot(at(500)).replicas[0].step_rate, None, "too soon");
+        a.beat(at(2000), 20, 0);
+        assert_eq!(s.snapshot(at(2000)).replicas[0].step_rate, Some(10.0));
+        // Samples every second or so; a rate from the last 30 s only.
+        for second in 1..=40 {
+            let step = if second <= 20 {
+                second * 10
+            } else {
+                200 + (second - 20) * 2
+            };
+            a.beat(at(second * 1000), step as i64, 0);
+            s.sample_steps(at(second * 1000));
+        }
+        let rate = s.snapshot(at(40_000)).replicas[0].step_rate.unwrap();
+        assert!(
+            (rate - (2.0 * 20.0 + 10.0 * 10.0) / 30.0).abs() < 1e-9,
+            "{rate}"
+        );
+        assert!(s.replicas["a"].steps.0.len() <= 32);
+    }
+
+    #[test]
+    fn a_member_below_the_quorums_max_step_is_healing_until_it_reports_that_step() {
+        let t = Instant::now();
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        let ((_, b), _eb) = open(&mut s, "b", t);
+        let ((_, c), _ec) = open(&mut s, "c", t);
+        join_at_step(&mut s, "a", 10, t);
+        join_at_step(&mut s, "b", 0, t);
+        // c, live but not asking, is waited for until the join timeout.
+        s.evaluate(t + Duration::from_secs(1), 0)
+            .expect("quorum of a and b");
+        c.beat(t, 3, 0);
+        let healing = |s: &LighthouseState| -> Vec<bool> {
+            s.snapshot(t).replicas.iter().map(|r| r.healing).collect()
+        };
+        assert_eq!(s.snapshot(t).max_step, 10);
+        assert_eq!(healing(&s), [false, true, false], "c is no member");
+        b.beat(t, 10, 1);
+        a.beat(t, 11, 1);
+        assert_eq!(healing(&s), [false, false, false]);
+    }
+
+    #[test]
+    fn a_heals_jump_is_no_speed_the_rate_counts_from_where_it_caught_up() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        let ((_, b), _eb) = open(&mut s, "b", t);
+        join_at_step(&mut s, "a", 1000, t);
+        join_at_step(&mut s, "b", 0, t);
+        s.evaluate(t, 0).expect("quorum");
+        let rate = |s: &LighthouseState, ms| s.snapshot(at(ms)).replicas[1].step_rate;
+        for second in 0..3 {
+            a.beat(at(second * 1000), 1000 + second as i64, 1);
+            b.beat(at(second * 1000), 0, 1);
+            s.sample_steps(at(second * 1000));
+        }
+        assert_eq!(rate(&s, 2000), None, "healing");
+        // Healed to 1000, then a step a second.
+        for second in 3..6 {
+            b.beat(at(second * 1000), 1000 + second as i64 - 3, 1);
+            s.sample_steps(at(second * 1000));
+        }
+        assert_eq!(rate(&s, 5000), Some(1.0));
     }
 }
