@@ -24,7 +24,14 @@ from typing import Any, TextIO
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
-from phalanx.demo.report import FAILURE_KINDS, analyze, plot, split_verdict, summary_table
+from phalanx.demo.report import (
+    FAILURE_KINDS,
+    analyze,
+    chart,
+    plot,
+    split_verdict,
+    summary_table,
+)
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
@@ -106,6 +113,8 @@ class DemoJob(launcher.Launcher):
         self.steps: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.started = time.time()
+        #: When the launcher stopped the groups: the end of training.
+        self.stopped: float | None = None
         self._step_log = LogFile(out / "steps.jsonl", self.warn)
         self._rank_log = LogFile(out / "ranks.log", self.warn)
         self._ever_started: set[str] = set()
@@ -151,6 +160,8 @@ class DemoJob(launcher.Launcher):
         )
         elapsed = f"{now - self.started:6.1f}s"
         self._failures += kind in FAILURE_KINDS
+        if kind == "stop" and self.stopped is None:
+            self.stopped = now
         if kind == "start":
             self._ever_started.add(group.replica_id)
             if restart:
@@ -302,10 +313,15 @@ def main(argv: list[str]) -> int:
         )
     finally:
         job.close()
-    ended = time.time()
+    exited = time.time()
 
     report = analyze(
-        job.steps, job.events, replicas=args.replicas, started=job.started, ended=ended
+        job.steps,
+        job.events,
+        replicas=args.replicas,
+        started=job.started,
+        stopped=exited if job.stopped is None else job.stopped,
+        exited=exited,
     )
     report["config"] = {
         "replicas": args.replicas,
@@ -326,10 +342,10 @@ def main(argv: list[str]) -> int:
     )
     events = "".join(json.dumps(e) + "\n" for e in job.events)
     save(args.out / "events.jsonl", lambda p: p.write_text(events), warn)
-    save(args.out / "report.png", lambda p: plot(job.steps, job.events, job.started, str(p)), warn)
+    save(args.out / "report.png", lambda p: plot(chart(job.steps, report), str(p)), warn)
     print(
-        f"report: {args.out / 'report.json'}, {args.out / 'report.png'}; step log: "
-        f"{args.out / 'steps.jsonl'}; rank output: {args.out / 'ranks.log'}"
+        f"report in {args.out}/: report.json, report.png; step log steps.jsonl; launcher "
+        "events events.jsonl; rank output ranks.log"
     )
     return exit_status(report, code, args.out)
 
@@ -343,7 +359,7 @@ def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:
         return EXIT_DIVERGED
     if launcher_code == 130:
         return 130
-    if not report["steps_committed"]:
+    if not report["group_steps_committed"]:
         tail = (out / "ranks.log").read_text().splitlines()[-20:]
         print("no step committed; the end of ranks.log says why:", *tail, sep="\n  ")
         return 1
