@@ -254,6 +254,7 @@ def test_a_survivors_stall_is_measured_around_the_failure_and_a_slow_step_apart(
     assert report["healthy_step_s_max"] == pytest.approx(1.7)
     assert report["slowest_healthy_step"]["step"] == 100
     assert report["slowest_healthy_step"]["at_s"] == pytest.approx(10.5)
+    assert report["slowest_healthy_step"]["seconds"] == pytest.approx(1.7)
     # Steps with c out, and the one that took it back, are the failure's, not ordinary.
     assert report["healthy_steps"] == 3 * (50 + 66)  # steps 0-49 and 54-119
 
@@ -311,6 +312,14 @@ def test_the_chart_is_a_png(tmp_path):
     report = analyze(steps, events, replicas=3, started=-2.0, stopped=stopped)
     plot(chart(steps, report), str(tmp_path / "report.png"))
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_that_never_committed_has_a_report_and_a_chart(tmp_path):
+    report = analyze([], [], replicas=3, started=0.0, stopped=180.0, exited=181.0)
+    assert (report["job_steps"], report["group_steps_committed"], report["failures"]) == (0, 0, [])
+    assert (report["startup_s"], report["training_s"], report["shutdown_s"]) == (180.0, 0.0, 1.0)
+    plot(chart([], report), str(tmp_path / "report.png"))  # warnings fail the test
+    assert (tmp_path / "report.png").exists()
 
 
 @pytest.fixture

@@ -73,6 +73,9 @@ LOSS_WINDOW = 10
 #: the step where it began to the end, so the first few say where and how it began.
 SPLITS_SHOWN = 5
 
+#: The width of a failure's label in report.png, as a share of the time axis.
+LABEL_WIDTH = 0.14
+
 
 def _lives(steps: Iterable[dict]) -> dict[tuple[str, int, int], list[dict]]:
     lives: dict[tuple[str, int, int], list[dict]] = defaultdict(list)
@@ -366,6 +369,7 @@ def _healthy_report(healthy: list[dict], zero: float) -> dict[str, Any]:
             "step": slowest["step"],
             "replica": slowest["replica"],
             "at_s": _round(slowest["t_start"] - zero, 2),
+            "seconds": _round(slowest["t_end"] - slowest["t_start"]),
             **{k: slowest[k] for k in ("quorum_s", "allreduce_s", "commit_s") if k in slowest},
         },
     }
@@ -535,19 +539,28 @@ def plot(chart: dict[str, Any], path: str) -> None:
                 fontsize=8,
                 color="gray",
             )
-    # A label sits right of its failure's line, a row higher when the one before is close.
-    row, last = 0, -math.inf
-    for at, label in chart["failures"]:
-        row = 1 - row if at - last < 0.15 * stop else 0
-        last = at
+    # A label sits right of its failure's line (left of it near the end), in the lower
+    # of two rows where it clears the label before it. Where two rows cannot hold them
+    # all, a failure is labelled with its group only (report.json has the rest).
+    failures = chart["failures"]
+    width, row_ends = LABEL_WIDTH * stop, [-math.inf, -math.inf]
+    if len(failures) * width > 2 * stop:
+        failures = [(at, label.split()[0]) for at, label in failures]
+        width = LABEL_WIDTH / 3 * stop
+    for at, label in failures:
+        left = at > stop - width
+        start, end = (at - width, at) if left else (at, at + width)
+        row = next((i for i, e in enumerate(row_ends) if e < start), row_ends.index(min(row_ends)))
+        row_ends[row] = end
         for ax in (loss_ax, job_ax):
             ax.axvline(at, color="red", alpha=0.5, linewidth=1, linestyle="--")
         job_ax.annotate(
             label,
             (at, 0.04 + 0.3 * row),
             xycoords=("data", "axes fraction"),
-            xytext=(3, 0),
+            xytext=(-3, 0) if left else (3, 0),
             textcoords="offset points",
+            ha="right" if left else "left",
             fontsize=8,
             color="darkred",
         )
@@ -568,11 +581,13 @@ def plot(chart: dict[str, Any], path: str) -> None:
         f"phalanx demo: {replicas} replica groups, {stop:.0f} s of training, "
         f"{len(chart['failures'])} failures injected, {chart['job_steps']} steps"
     )
-    loss_ax.legend(loc="upper right", markerscale=4)
+    if chart["loss"]:
+        loss_ax.legend(loc="upper right", markerscale=4)
     job_ax.set_ylabel("groups in the job's step")
     job_ax.set_ylim(0, replicas + 0.4)
     job_ax.set_yticks(range(replicas + 1))
-    job_ax.set_xlim(-0.01 * stop, 1.01 * stop)
+    if stop > 0:
+        job_ax.set_xlim(-0.01 * stop, 1.01 * stop)
     job_ax.set_xlabel(
         f"seconds from the first committed step (start-up before it: "
         f"{chart['startup_s']:.1f} s; shutdown after the stop: {chart['shutdown_s']:.1f} s)"
