@@ -113,6 +113,8 @@ class DemoJob(launcher.Launcher):
         self.steps: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.started = time.time()
+        #: When the first step committed: training, and the display's clock, start there.
+        self.trained_from: float | None = None
         #: When the launcher stopped the groups: the end of training.
         self.stopped: float | None = None
         self._step_log = LogFile(out / "steps.jsonl", self.warn)
@@ -158,7 +160,7 @@ class DemoJob(launcher.Launcher):
                 "pids": [p.pid for p in group.procs],
             }
         )
-        elapsed = f"{now - self.started:6.1f}s"
+        elapsed = self._clock(now)
         self._failures += kind in FAILURE_KINDS
         if kind == "stop" and self.stopped is None:
             self.stopped = now
@@ -175,6 +177,13 @@ class DemoJob(launcher.Launcher):
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
 
+    def _clock(self, t: float) -> str:
+        """`t` as the display, report.png and `--duration` count: from the first
+        committed step; before it, as start-up time since the launch."""
+        if self.trained_from is None:
+            return f"start-up {t - self.started:.1f}s"
+        return f"{t - self.trained_from:6.1f}s"
+
     def trains(self) -> bool:
         # The demo's time and its failures count from the first committed step.
         return bool(self._latest)
@@ -184,12 +193,18 @@ class DemoJob(launcher.Launcher):
         self._committed += record["committed"]
         self._step_log.write(json.dumps(record) + "\n")
         replica = record["replica"]
+        if record["committed"] and self.trained_from is None:
+            self.trained_from = record["t_end"]
+            self.progress.event(
+                f"{self._clock(record['t_end'])}  first step committed, "
+                f"{record['t_end'] - self.started:.1f} s after the launch; times count from here"
+            )
         if record["committed"]:
             self._latest[replica] = record
             if replica in self._recovering:
                 seconds = record["t_end"] - self._recovering.pop(replica)
                 self.progress.event(
-                    f"{record['t_end'] - self.started:6.1f}s  {replica} back at step "
+                    f"{self._clock(record['t_end'])}  {replica} back at step "
                     f"{record['step']}, {seconds:.2f} s after its restart"
                 )
         self._show()
@@ -201,7 +216,7 @@ class DemoJob(launcher.Launcher):
         committed, failures = self._committed, self._failures
         loss = sum(r["loss"] for r in live) / len(live)
         self.progress.status(
-            f"{time.time() - self.started:6.1f}s  step {max(r['step'] for r in live) + 1:5d}"
+            f"{self._clock(time.time())}  step {max(r['step'] for r in live) + 1:5d}"
             f"  loss {loss:5.3f}  groups {len(live)}/{len(self.groups)}"
             f"  failures {failures}  committed {committed}/{len(self.steps)}"
             f" ({committed / len(self.steps):.1%})"
