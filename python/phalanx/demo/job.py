@@ -122,6 +122,8 @@ class DemoJob(launcher.Launcher):
         self._ever_started: set[str] = set()
         self._recovering: dict[str, float] = {}
         self._latest: dict[str, dict[str, Any]] = {}
+        #: Group-steps (rank 0's records), as the report counts them.
+        self._attempted = 0
         self._committed = 0
         self._failures = 0
 
@@ -190,7 +192,9 @@ class DemoJob(launcher.Launcher):
 
     def _step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)
-        self._committed += record["committed"]
+        if record["rank"] == 0:
+            self._attempted += 1
+            self._committed += record["committed"]
         self._step_log.write(json.dumps(record) + "\n")
         replica = record["replica"]
         if record["committed"] and self.trained_from is None:
@@ -213,13 +217,12 @@ class DemoJob(launcher.Launcher):
         live = list(self._latest.values())
         if not live:
             return
-        committed, failures = self._committed, self._failures
+        committed, attempted, failures = self._committed, self._attempted, self._failures
         loss = sum(r["loss"] for r in live) / len(live)
         self.progress.status(
             f"{self._clock(time.time())}  step {max(r['step'] for r in live) + 1:5d}"
             f"  loss {loss:5.3f}  groups {len(live)}/{len(self.groups)}"
-            f"  failures {failures}  committed {committed}/{len(self.steps)}"
-            f" ({committed / len(self.steps):.1%})"
+            f"  failures {failures}  group-steps committed {committed / max(attempted, 1):.1%}"
         )
 
     def close(self) -> None:
