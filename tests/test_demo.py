@@ -259,6 +259,39 @@ def test_a_survivors_stall_is_measured_around_the_failure_and_a_slow_step_apart(
     assert report["healthy_steps"] == 3 * (50 + 66)  # steps 0-49 and 54-119
 
 
+def test_a_group_hung_when_another_is_killed_is_no_survivor():
+    # b hangs at 1.05 s and commits again at 3.7 s; c is killed at 1.95 s, restarts at
+    # 2.1 s and commits again at 2.5 s; a waits 0.4 s at each failure.
+    steps, _ = lockstep({"a": 1, "b": 2, "c": 3}, range(10), 0.0)
+    steps += [record(g, pid, 10, 1.0, committed=False) for g, pid in (("a", 1), ("c", 3))]
+    more, _ = lockstep({"a": 1, "c": 3}, range(10, 16), 1.3)
+    steps += more + [record("a", 1, 16, 1.9, committed=False)]
+    more, t = lockstep({"a": 1}, range(16, 18), 2.2)
+    steps += more
+    more, t = lockstep({"a": 1, "c": 4}, range(18, 30), t)
+    steps += more
+    more, t = lockstep({"a": 1, "b": 2, "c": 4}, range(30, 40), t)
+    steps += more
+    events = [event(1.05, "hang", "b", 2), event(1.95, "kill", "c", 3)]
+    events += [event(2.1, "start", "c", 4, restart=True)]
+    report = analyze(steps, events, replicas=3, started=0.0, stopped=t)
+
+    hang, kill = report["failures"]
+    assert (hang["kind"], hang["replica"], kill["kind"], kill["replica"]) == (
+        "hang",
+        "b",
+        "kill",
+        "c",
+    )
+    assert hang["back_after_s"] == pytest.approx(2.65) and hang["recovery_s"] is None
+    assert kill["back_after_s"] == pytest.approx(0.55)
+    assert kill["recovery_s"] == pytest.approx(0.4)
+    assert hang["survivor_stall_s"] == pytest.approx(0.4)
+    # b's 2.7 s without a commit is its hang's, not a stall of c's survivors.
+    assert kill["survivor_stall_s"] == pytest.approx(0.4)
+    assert report["failures_recovered"] == 2 and report["recoveries"] == 1
+
+
 def test_job_steps_count_steps_group_steps_count_each_groups_commit():
     steps, events, stopped = a_kill_then_a_slow_step()
     report = analyze(steps, events, replicas=3, started=-2.0, stopped=stopped)

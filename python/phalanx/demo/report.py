@@ -19,7 +19,8 @@ the stop count.
   process was in never does).
 - `time_efficiency`: the share of the lives' wall time (first step start → last step
   end) spent in steps that committed.
-- `failures`: each injected failure, when (`at_s`), which group, and what it cost:
+- `failures`: each injected failure, when (`at_s`), which group, and what it cost
+  (`failures_recovered` of them saw their group commit again before the stop):
   `survivor_stall_s`, the longest gap between two consecutive commits of another
   group from the failure until the failed group committed again (or the stop);
   `back_after_s`, from the failure to that commit; `recovery_s`, for a kill, from
@@ -191,41 +192,51 @@ def failures(steps: list[dict], events: list[dict], *, stopped: float) -> list[d
     (`back_t`; None and the window runs to the stop when it never came back). The
     survivors' stall is the longest gap between two consecutive commits of a life of
     another group that overlaps that window: the step the failure broke, the quorum
-    without the group, and the quorum that took it back. A slow step once every group
-    is back is not the failure's: `healthy_steps` counts it.
+    without the group, and the quorum that took it back. A gap of a group inside a
+    window of its own (hung, say, when another was killed) is its own failure's, not
+    a survivor's; a slow step once every group is back is no failure's at all:
+    `healthy_steps` counts it.
     """
     by_group = group_steps(steps)
     lives = _lives(by_group)
     recovered = restarts(steps, events)
     found = []
     for event in sorted(events, key=lambda e: e["t"]):
-        if event["kind"] not in FAILURE_KINDS or event["t"] >= stopped:
-            continue
-        t, replica = event["t"], event["replica"]
-        back = min(
-            (r for r in by_group if r["replica"] == replica and r["committed"] and r["t_end"] > t),
-            key=lambda r: r["t_end"],
-            default=None,
-        )
-        until = back["t_end"] if back else stopped
+        if event["kind"] in FAILURE_KINDS and event["t"] < stopped:
+            t, replica = event["t"], event["replica"]
+            back = min(
+                (
+                    r
+                    for r in by_group
+                    if r["replica"] == replica and r["committed"] and r["t_end"] > t
+                ),
+                key=lambda r: r["t_end"],
+                default=None,
+            )
+            restart = next(
+                (s for s in recovered if back and back["pid"] in s["pids"] and s["t"] > t), None
+            )
+            found.append(
+                {
+                    **_pick(event, "t", "kind", "replica"),
+                    "back_t": back["t_end"] if back else None,
+                    "recovery_s": restart["recovery_s"] if restart else None,
+                }
+            )
+    windows = [
+        (f["replica"], f["t"], stopped if f["back_t"] is None else f["back_t"]) for f in found
+    ]
+    for failure, (replica, t, until) in zip(found, windows, strict=True):
         stalls = [
             b - a
             for (other, _, _), records in lives.items()
             if other != replica
             for a, b in _commit_gaps(records)
-            if b > t and a < until
+            if b > t
+            and a < until
+            and not any(g == other and b > gt and a < gu for g, gt, gu in windows)
         ]
-        restart = next(
-            (s for s in recovered if back and back["pid"] in s["pids"] and s["t"] > t), None
-        )
-        found.append(
-            {
-                **_pick(event, "t", "kind", "replica"),
-                "back_t": back["t_end"] if back else None,
-                "recovery_s": restart["recovery_s"] if restart else None,
-                "survivor_stall_s": max(stalls, default=None),
-            }
-        )
+        failure["survivor_stall_s"] = max(stalls, default=None)
     return found
 
 
@@ -338,6 +349,7 @@ def analyze(
         "job_progress": _round(job_progress),
         **_healthy_report(healthy, zero),
         "failures_injected": len(found),
+        "failures_recovered": sum(f["back_t"] is not None for f in found),
         "recoveries": len(recovery_seconds),
         "recovery_seconds": [_round(s, 3) for s in recovery_seconds],
         "recovery_seconds_median": _round(
@@ -415,7 +427,10 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_seconds(r['healthy_step_s'], 3)} / {_seconds(r['healthy_step_s_p99'], 3)} / "
             f"{_seconds(r['healthy_step_s_max'], 3)} s{where}",
         ),
-        ("failures injected / recovered", f"{r['failures_injected']} / {r['recoveries']}"),
+        (
+            "failures injected / groups back",
+            f"{r['failures_injected']} / {r['failures_recovered']}",
+        ),
         (
             "recovery (restart -> first commit), median",
             f"{_seconds(r['recovery_seconds_median'], 3)} s",
