@@ -544,7 +544,9 @@ def plot(chart: dict[str, Any], path: str) -> None:
         loss_ax.plot(t, loss, ".", markersize=2, label=replica)
     if chart["job_line"]:
         t, groups = zip(*chart["job_line"], strict=True)
-        job_ax.step(t, groups, where="post", color="black", linewidth=1.5)
+        # Each step's groups over the time the job took to make it, from the commit
+        # before: a stall shows with the groups that finally committed.
+        job_ax.step(t, groups, where="pre", color="black", linewidth=1.5)
         if groups[0] < replicas:
             job_ax.annotate(
                 "groups joining",
