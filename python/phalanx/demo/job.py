@@ -1,6 +1,8 @@
 """`phalanx demo`: the whole mission on one machine. Three replica groups train a small
 Llama-style model through a SIGKILL of a random group every 15 seconds; at the end a
-summary, `report.json`, `report.png` and the step log are in `--out`.
+summary is printed, and `report.json`, `report.png`, the step log (`steps.jsonl`), the
+launcher's events (`events.jsonl`) and the ranks' other output (`ranks.log`) are in
+`--out`. Times count from the job's first committed step, as `--duration` does.
 
     phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out phalanx-demo]
 
