@@ -528,6 +528,42 @@ def failure_label(failure: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def label_places(
+    failures: list[tuple[float, str]], stop: float
+) -> list[tuple[float, str, int, bool]]:
+    """Where report.png puts each failure's label: (time, label, row, left of the
+    line?). A label goes right of its line where it fits before the end, in the lower
+    of two rows where it overlaps no other; where two rows cannot hold them all, a
+    failure is labelled with its group only (report.json has the rest).
+
+    >>> [p[2:] for p in label_places([(15, "a"), (25, "b"), (45, "c"), (110, "d")], 120)]
+    [(0, False), (1, False), (0, False), (0, True)]
+    """
+    width = LABEL_WIDTH * stop
+    if len(failures) * width > 2 * stop:
+        failures = [(at, label.split()[0]) for at, label in failures]
+        width /= 3
+    rows: list[list[tuple[float, float]]] = [[], []]
+    places = []
+    for at, label in failures:
+        sides = [False, True] if at + width <= 1.01 * stop else [True, False]
+        options = [(row, left) for left in sides for row in (0, 1)]
+        row, left = next(
+            (
+                (row, left)
+                for row, left in options
+                if all(
+                    (at if left else at + width) <= lo or (at - width if left else at) >= hi
+                    for lo, hi in rows[row]
+                )
+            ),
+            options[0],
+        )
+        rows[row].append((at - width, at) if left else (at, at + width))
+        places.append((at, label, row, left))
+    return places
+
+
 def plot(chart: dict[str, Any], path: str) -> None:
     """`chart` as a PNG: the groups' loss above, the job's groups in the step below,
     each failure marked and labelled."""
@@ -556,19 +592,7 @@ def plot(chart: dict[str, Any], path: str) -> None:
                 fontsize=8,
                 color="gray",
             )
-    # A label sits right of its failure's line (left of it near the end), in the lower
-    # of two rows where it clears the label before it. Where two rows cannot hold them
-    # all, a failure is labelled with its group only (report.json has the rest).
-    failures = chart["failures"]
-    width, row_ends = LABEL_WIDTH * stop, [-math.inf, -math.inf]
-    if len(failures) * width > 2 * stop:
-        failures = [(at, label.split()[0]) for at, label in failures]
-        width = LABEL_WIDTH / 3 * stop
-    for at, label in failures:
-        left = at > stop - width
-        start, end = (at - width, at) if left else (at, at + width)
-        row = next((i for i, e in enumerate(row_ends) if e < start), row_ends.index(min(row_ends)))
-        row_ends[row] = end
+    for at, label, row, left in label_places(chart["failures"], stop):
         for ax in (loss_ax, job_ax):
             ax.axvline(at, color="red", alpha=0.5, linewidth=1, linestyle="--")
         job_ax.annotate(
