@@ -216,8 +216,9 @@ class Launcher:
         return True
 
     def on_event(self, kind: str, group: Group) -> None:
-        """Called on "start", "kill", "hang", "resume" and "exit" of a group; a
-        subclass that watches the job (the demo) listens here."""
+        """Called on "start", "kill", "hang", "resume" and "exit" of a group, and on
+        "stop" of each group still running when the job ends (just before its ranks
+        are told to stop); a subclass that watches the job (the demo) listens here."""
 
     # -- processes ----------------------------------------------------------------
 
@@ -481,6 +482,9 @@ class Launcher:
         return False
 
     def _shut_down(self) -> None:
+        for group in self.groups:
+            if group.alive:
+                self.on_event("stop", group)
         self.stop_groups(self.groups)
         if self.fork_server is not None:
             self.fork_server.close()

@@ -1,6 +1,8 @@
 """`phalanx demo`: the whole mission on one machine. Three replica groups train a small
 Llama-style model through a SIGKILL of a random group every 15 seconds; at the end a
-summary, `report.json`, `report.png` and the step log are in `--out`.
+summary is printed, and `report.json`, `report.png`, the step log (`steps.jsonl`), the
+launcher's events (`events.jsonl`) and the ranks' other output (`ranks.log`) are in
+`--out`. Times count from the job's first committed step, as `--duration` does.
 
     phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out phalanx-demo]
 
@@ -24,7 +26,14 @@ from typing import Any, TextIO
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
-from phalanx.demo.report import FAILURE_KINDS, analyze, plot, split_verdict, summary_table
+from phalanx.demo.report import (
+    FAILURE_KINDS,
+    analyze,
+    chart,
+    plot,
+    split_verdict,
+    summary_table,
+)
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
@@ -106,11 +115,17 @@ class DemoJob(launcher.Launcher):
         self.steps: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.started = time.time()
+        #: When the first step committed: training, and the display's clock, start there.
+        self.trained_from: float | None = None
+        #: When the launcher stopped the groups: the end of training.
+        self.stopped: float | None = None
         self._step_log = LogFile(out / "steps.jsonl", self.warn)
         self._rank_log = LogFile(out / "ranks.log", self.warn)
         self._ever_started: set[str] = set()
         self._recovering: dict[str, float] = {}
         self._latest: dict[str, dict[str, Any]] = {}
+        #: Group-steps (rank 0's records), as the report counts them.
+        self._attempted = 0
         self._committed = 0
         self._failures = 0
 
@@ -149,8 +164,10 @@ class DemoJob(launcher.Launcher):
                 "pids": [p.pid for p in group.procs],
             }
         )
-        elapsed = f"{now - self.started:6.1f}s"
+        elapsed = self._clock(now)
         self._failures += kind in FAILURE_KINDS
+        if kind == "stop" and self.stopped is None:
+            self.stopped = now
         if kind == "start":
             self._ever_started.add(group.replica_id)
             if restart:
@@ -164,21 +181,36 @@ class DemoJob(launcher.Launcher):
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
 
+    def _clock(self, t: float) -> str:
+        """`t` as the display, report.png and `--duration` count: from the first
+        committed step; before it, as start-up time since the launch."""
+        if self.trained_from is None:
+            return f"start-up {t - self.started:.1f}s"
+        return f"{t - self.trained_from:6.1f}s"
+
     def trains(self) -> bool:
         # The demo's time and its failures count from the first committed step.
         return bool(self._latest)
 
     def _step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)
-        self._committed += record["committed"]
+        if record["rank"] == 0:
+            self._attempted += 1
+            self._committed += record["committed"]
         self._step_log.write(json.dumps(record) + "\n")
         replica = record["replica"]
+        if record["committed"] and self.trained_from is None:
+            self.trained_from = record["t_end"]
+            self.progress.event(
+                f"{self._clock(record['t_end'])}  first step committed, "
+                f"{record['t_end'] - self.started:.1f} s after the launch; times count from here"
+            )
         if record["committed"]:
             self._latest[replica] = record
             if replica in self._recovering:
                 seconds = record["t_end"] - self._recovering.pop(replica)
                 self.progress.event(
-                    f"{record['t_end'] - self.started:6.1f}s  {replica} back at step "
+                    f"{self._clock(record['t_end'])}  {replica} back at step "
                     f"{record['step']}, {seconds:.2f} s after its restart"
                 )
         self._show()
@@ -187,13 +219,12 @@ class DemoJob(launcher.Launcher):
         live = list(self._latest.values())
         if not live:
             return
-        committed, failures = self._committed, self._failures
+        committed, attempted, failures = self._committed, self._attempted, self._failures
         loss = sum(r["loss"] for r in live) / len(live)
         self.progress.status(
-            f"{time.time() - self.started:6.1f}s  step {max(r['step'] for r in live) + 1:5d}"
+            f"{self._clock(time.time())}  step {max(r['step'] for r in live) + 1:5d}"
             f"  loss {loss:5.3f}  groups {len(live)}/{len(self.groups)}"
-            f"  failures {failures}  committed {committed}/{len(self.steps)}"
-            f" ({committed / len(self.steps):.1%})"
+            f"  failures {failures}  group-steps committed {committed / max(attempted, 1):.1%}"
         )
 
     def close(self) -> None:
@@ -302,10 +333,15 @@ def main(argv: list[str]) -> int:
         )
     finally:
         job.close()
-    ended = time.time()
+    exited = time.time()
 
     report = analyze(
-        job.steps, job.events, replicas=args.replicas, started=job.started, ended=ended
+        job.steps,
+        job.events,
+        replicas=args.replicas,
+        started=job.started,
+        stopped=exited if job.stopped is None else job.stopped,
+        exited=exited,
     )
     report["config"] = {
         "replicas": args.replicas,
@@ -326,10 +362,10 @@ def main(argv: list[str]) -> int:
     )
     events = "".join(json.dumps(e) + "\n" for e in job.events)
     save(args.out / "events.jsonl", lambda p: p.write_text(events), warn)
-    save(args.out / "report.png", lambda p: plot(job.steps, job.events, job.started, str(p)), warn)
+    save(args.out / "report.png", lambda p: plot(chart(job.steps, report), str(p)), warn)
     print(
-        f"report: {args.out / 'report.json'}, {args.out / 'report.png'}; step log: "
-        f"{args.out / 'steps.jsonl'}; rank output: {args.out / 'ranks.log'}"
+        f"report in {args.out}/: report.json, report.png; step log steps.jsonl; launcher "
+        "events events.jsonl; rank output ranks.log"
     )
     return exit_status(report, code, args.out)
 
@@ -343,7 +379,7 @@ def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:
         return EXIT_DIVERGED
     if launcher_code == 130:
         return 130
-    if not report["steps_committed"]:
+    if not report["group_steps_committed"]:
         tail = (out / "ranks.log").read_text().splitlines()[-20:]
         print("no step committed; the end of ranks.log says why:", *tail, sep="\n  ")
         return 1
