@@ -198,6 +198,12 @@ impl Guarded {
         Ok(())
     }
 
+    fn wrote(&mut self, written: &Poll<io::Result<usize>>) {
+        if matches!(written, Poll::Ready(Ok(n)) if *n > 0) {
+            self.active();
+        }
+    }
+
     fn active(&mut self) {
         let now = Instant::now();
         if now >= self.touched + TOUCH_EVERY {
@@ -237,9 +243,7 @@ impl AsyncWrite for Guarded {
     ) -> Poll<io::Result<usize>> {
         self.check(cx)?;
         let written = Pin::new(&mut self.stream).poll_write(cx, data);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.active();
-        }
+        self.wrote(&written);
         written
     }
 
@@ -250,9 +254,7 @@ impl AsyncWrite for Guarded {
     ) -> Poll<io::Result<usize>> {
         self.check(cx)?;
         let written = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.active();
-        }
+        self.wrote(&written);
         written
     }
 

@@ -143,11 +143,15 @@ impl Refusals {
 /// Counts by reason, as a replica group reports them for its listeners.
 pub type RefusalCounts = Vec<(Refusal, u64)>;
 
-/// The counts a peer sent; reasons this build does not know are dropped.
+/// The counts a peer sent, one per reason (the last one sent, if it named a reason
+/// twice); reasons this build does not know are dropped.
 pub fn counts_from_wire(wire: &[proto::RefusalCount]) -> RefusalCounts {
-    wire.iter()
-        .filter_map(|c| Refusal::named(&c.reason).map(|r| (r, c.count)))
-        .take(Refusal::ALL.len())
+    Refusal::ALL
+        .into_iter()
+        .filter_map(|reason| {
+            let sent = wire.iter().rev().find(|c| c.reason == reason.as_str())?;
+            Some((reason, sent.count))
+        })
         .collect()
 }
 
@@ -492,6 +496,12 @@ mod tests {
         assert!(totals.contains(&(Refusal::Token, 9)));
         assert!(totals.contains(&(Refusal::Crowded, 0)));
         assert_eq!(Refusal::named("crowded_out"), Some(Refusal::Crowded));
+        let wire = |reason: &str, count| proto::RefusalCount {
+            reason: reason.into(),
+            count,
+        };
+        let garbled = [wire("token", 5), wire("nonsense", 9), wire("token", 7)];
+        assert_eq!(counts_from_wire(&garbled), [(Refusal::Token, 7)]);
         assert_eq!(Refusal::named("nonsense"), None);
     }
 

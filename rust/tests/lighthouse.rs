@@ -820,6 +820,18 @@ async fn refused(addr: SocketAddr, token: &str, reason: &str) -> u64 {
         .expect("a count")
 }
 
+/// A lighthouse (no token) with the connection caps `limits`.
+async fn start_limited(limits: GateLimits) -> (ServerHandle, SocketAddr) {
+    let handle = lighthouse::serve(LighthouseOptions {
+        connections: limits,
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = handle.local_addr();
+    (handle, addr)
+}
+
 /// Reads until the peer closes the connection; how long that took.
 async fn until_closed(stream: &mut TcpStream) -> Duration {
     let started = Instant::now();
@@ -875,16 +887,11 @@ async fn a_connection_without_the_token_is_closed_soon_and_every_refusal_is_coun
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_is_closed_on_time_beside_long_lived_proven_ones() {
-    let lighthouse = lighthouse::serve(LighthouseOptions {
-        connections: GateLimits {
-            idle: Duration::from_secs(60),
-            ..TIGHT
-        },
-        ..options(1)
+    let (_lighthouse, addr) = start_limited(GateLimits {
+        idle: Duration::from_secs(60),
+        ..TIGHT
     })
-    .await
-    .expect("lighthouse starts");
-    let addr = lighthouse.local_addr();
+    .await;
     // A proven connection whose idle deadline lies a minute away...
     let c = client(addr);
     status_rpc(&c).await;
@@ -897,16 +904,11 @@ async fn a_silent_connection_is_closed_on_time_beside_long_lived_proven_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_held_against_the_lighthouse_do_not_keep_a_group_out() {
-    let lighthouse = lighthouse::serve(LighthouseOptions {
-        connections: GateLimits {
-            prove_within: Duration::from_secs(30),
-            ..TIGHT
-        },
-        ..options(1)
+    let (_lighthouse, addr) = start_limited(GateLimits {
+        prove_within: Duration::from_secs(30),
+        ..TIGHT
     })
-    .await
-    .expect("lighthouse starts");
-    let addr = lighthouse.local_addr();
+    .await;
     let mut flood = Vec::new();
     for _ in 0..400 {
         flood.push(TcpStream::connect(addr).await.expect("connect"));
@@ -932,15 +934,28 @@ async fn idle_connections_held_against_the_lighthouse_do_not_keep_a_group_out() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_connection_is_closed_and_the_client_reconnects_unnoticed() {
-    let lighthouse = lighthouse::serve(LighthouseOptions {
-        connections: TIGHT,
-        ..options(1)
-    })
-    .await
-    .expect("lighthouse starts");
-    let c = client(lighthouse.local_addr());
+    let (_lighthouse, addr) = start_limited(TIGHT).await;
+    // A proven connection that goes quiet (HTTP/1.1 keep-alive: nothing pings it) is
+    // closed once nothing moved on it for the idle limit, not before.
+    let mut quiet = TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET /status HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    quiet.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = [0u8; 1024];
+    let n = quiet.read(&mut answer).await.expect("an answer");
+    assert!(
+        answer[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        &answer[..n]
+    );
+    let closed_after = until_closed(&mut quiet).await;
+    assert!(
+        closed_after >= TIGHT.idle - Duration::from_millis(50),
+        "{closed_after:?}"
+    );
+
+    // A gRPC client whose connection was closed that way reconnects on its next call.
+    let c = client(addr);
     status_rpc(&c).await;
-    // Twice the idle limit with nothing on the wire: the lighthouse closes it.
     tokio::time::sleep(2 * TIGHT.idle).await;
     status_rpc(&c).await;
 }

@@ -119,12 +119,12 @@ impl Metrics {
             // Fewer than before: a restarted group counting from zero again.
             let grown = if count >= was { count - was } else { count };
             if grown > 0 {
-                self.group_refusals
-                    .get_or_create(&vec![
-                        ("replica_id", replica_id.to_string()),
-                        ("reason", reason.as_str().into()),
-                    ])
-                    .inc_by(grown);
+                let counter = self.group_refusals.get_or_create(&vec![
+                    ("replica_id", replica_id.to_string()),
+                    ("reason", reason.as_str().into()),
+                ]);
+                // A garbled report of huge counts pins the counter, never wraps it.
+                counter.inc_by(grown.min(u64::MAX - counter.get()));
             }
         }
         *before = counts;
