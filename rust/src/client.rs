@@ -2,27 +2,22 @@
 //! (invariant I6): the caller's timeout plus a short grace for the server's own
 //! answer, after which the call fails with a timeout rather than waiting on.
 
-use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 use crate::auth::{AttachToken, JobToken};
-use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, PROTOCOL_VERSION};
 use crate::Error;
 
 /// Time the server gets past the caller's timeout to send its own, better-worded error.
 pub(crate) const GRACE: Duration = Duration::from_millis(500);
-/// A lighthouse that restarts is back within a second or so; its groups should be too.
-const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
 /// How soon, and at most how long apart, a lighthouse that cannot be reached is
 /// asked again for a quorum.
 pub(crate) const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
@@ -233,205 +228,6 @@ impl LighthouseClient {
             client.heartbeat(ReceiverStream::new(beats)),
         )
         .await
-    }
-}
-
-/// What a group's heartbeat reports besides being alive.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Progress {
-    pub last_quorum_id: u64,
-    pub step: i64,
-}
-
-/// What the lighthouse last acknowledged: while `until` is ahead, it will not declare
-/// this group dead, and the group is a live member of quorum `quorum_id` (0: none).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lease {
-    pub quorum_id: u64,
-    pub until: Instant,
-    /// When the acknowledged beat was sent.
-    pub sent_at: Instant,
-}
-
-impl Lease {
-    /// Whether the group may still commit a step of `quorum_id` at `now`.
-    pub fn holds(&self, quorum_id: u64, now: Instant) -> bool {
-        quorum_id != 0 && self.quorum_id == quorum_id && now < self.until
-    }
-}
-
-/// The part of a lease the group keeps for itself: clocks tick at slightly different
-/// rates and a decision takes a moment after its check.
-fn lease_length(lease_ms: u64) -> Duration {
-    let granted = Duration::from_millis(lease_ms);
-    granted.saturating_sub((granted / 10).max(Duration::from_millis(20)))
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Keeps a group's heartbeat stream open for as long as the task runs, re-opening it
-/// after a lighthouse restart, and forwards the membership-loss events it receives.
-/// The send times of the beats not acknowledged yet, by sequence number.
-#[derive(Default)]
-struct InFlight(Mutex<VecDeque<(u64, Instant)>>);
-
-impl InFlight {
-    /// Keeps a bounded history: a lighthouse that never answers cannot grow it.
-    const KEPT: usize = 256;
-
-    fn sent(&self, seq: u64, at: Instant) {
-        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if sent.len() == Self::KEPT {
-            sent.pop_front();
-        }
-        sent.push_back((seq, at));
-    }
-
-    /// The send time of `seq`, forgetting it and every earlier beat.
-    fn acknowledged(&self, seq: u64) -> Option<Instant> {
-        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(&(s, at)) = sent.front() {
-            if s > seq {
-                return None;
-            }
-            sent.pop_front();
-            if s == seq {
-                return Some(at);
-            }
-        }
-        None
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub async fn keep_heartbeat(
-    client: LighthouseClient,
-    replica_id: String,
-    manager_address: String,
-    interval: Duration,
-    progress: watch::Receiver<Progress>,
-    events: broadcast::Sender<proto::MembershipLost>,
-    lease: watch::Sender<Option<Lease>>,
-    refusals: Arc<GroupRefusals>,
-) {
-    let mut backoff = interval;
-    loop {
-        let (beats_tx, beats_rx) = mpsc::channel(4);
-        let in_flight = Arc::new(InFlight::default());
-        // Refusal counts ride on a beat when they changed (and on a stream's first).
-        let mut reported = RefusalCounts::new();
-        let refusals = refusals.clone();
-        let mut beat = move |p: Progress, seq: u64| {
-            let totals = refusals.totals();
-            let refused = if totals == reported {
-                Vec::new()
-            } else {
-                reported = totals;
-                gate::counts_to_wire(&reported)
-            };
-            proto::Beat {
-                protocol_version: PROTOCOL_VERSION,
-                replica_id: String::new(),
-                manager_address: String::new(),
-                last_quorum_id: p.last_quorum_id,
-                step: p.step,
-                seq,
-                refused,
-            }
-        };
-        // Only the first beat names the group; the server reads it before answering,
-        // so it is queued before the call.
-        in_flight.sent(1, Instant::now());
-        let _ = beats_tx.try_send(proto::Beat {
-            replica_id: replica_id.clone(),
-            manager_address: manager_address.clone(),
-            ..beat(*progress.borrow(), 1)
-        });
-        let sender = {
-            let progress = progress.clone();
-            let in_flight = in_flight.clone();
-            AbortOnDrop(tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(interval);
-                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                ticker.tick().await;
-                let mut seq = 1;
-                loop {
-                    ticker.tick().await;
-                    seq += 1;
-                    // Stamped before it is queued: a lease counts from no later than
-                    // the beat's real departure.
-                    in_flight.sent(seq, Instant::now());
-                    let next = beat(*progress.borrow(), seq);
-                    if beats_tx.send(next).await.is_err() {
-                        return;
-                    }
-                }
-            }))
-        };
-        match client
-            .heartbeat(beats_rx, interval.max(Duration::from_secs(1)))
-            .await
-        {
-            Ok(mut stream) => {
-                backoff = interval;
-                loop {
-                    match stream.message().await {
-                        Ok(Some(proto::LighthouseEvent {
-                            event: Some(proto::lighthouse_event::Event::MembershipLost(lost)),
-                        })) => {
-                            let _ = events.send(lost);
-                        }
-                        Ok(Some(proto::LighthouseEvent {
-                            event: Some(proto::lighthouse_event::Event::Lease(granted)),
-                        })) => {
-                            if let Some(sent_at) = in_flight.acknowledged(granted.seq) {
-                                lease.send_replace(Some(Lease {
-                                    quorum_id: granted.quorum_id,
-                                    until: sent_at + lease_length(granted.lease_ms),
-                                    sent_at,
-                                }));
-                            }
-                        }
-                        Ok(Some(_)) => {}
-                        Ok(None) => {
-                            tracing::warn!(
-                                replica_id,
-                                "the lighthouse ended the heartbeat stream; re-opening"
-                            );
-                            break;
-                        }
-                        Err(status) => {
-                            tracing::warn!(
-                                replica_id,
-                                "heartbeat stream lost: {}; re-opening",
-                                status.message()
-                            );
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(
-                    replica_id,
-                    "cannot open the heartbeat stream: {}",
-                    e.message()
-                );
-                backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(interval));
-            }
-        }
-        // Without a stream the group cannot know whether the lighthouse still counts
-        // it in: no lease until a new stream's first acknowledgement.
-        lease.send_replace(None);
-        drop(sender);
-        tokio::time::sleep(backoff).await;
     }
 }
 

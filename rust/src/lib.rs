@@ -22,8 +22,6 @@ pub use error::{Error, ErrorKind};
 
 #[cfg(feature = "python")]
 mod python;
-#[cfg(feature = "python")]
-mod python_state;
 
 /// Many small, short-lived allocations per request (strings, frames); mimalloc serves
 /// them with less contention than the system allocator.

@@ -6,6 +6,7 @@
 //! `crate::store`): the group's own process groups and the cross-group ones of the
 //! quorums this group comes first in meet there.
 
+mod heartbeat;
 pub mod plan;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -21,7 +22,7 @@ use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
-use crate::client::{keep_heartbeat, Lease, LighthouseClient, Progress};
+use crate::client::LighthouseClient;
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
 use crate::proto::store_server::StoreServer;
@@ -30,6 +31,8 @@ use crate::server::{self, ServerHandle};
 use crate::store::service::{max_request_bytes, SharedStore, StoreService};
 use crate::store::StoreLimits;
 use crate::{validate, Error};
+use heartbeat::Heartbeat;
+pub use heartbeat::{Lease, Progress};
 
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// Commit decisions remembered for ranks that vote after the others timed out.
@@ -639,16 +642,17 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let routes = Routes::new(grpc).add_service(store);
     let door = Door::new(options.connections, refusals.own.clone());
     let mut handle = server::spawn(listener, more, routes, shutdown, door);
-    let heartbeat = keep_heartbeat(
-        lighthouse,
-        options.replica_id.clone(),
-        manager_address.clone(),
-        options.heartbeat_interval,
-        progress_rx,
+    let heartbeat = Heartbeat {
+        client: lighthouse,
+        replica_id: options.replica_id.clone(),
+        manager_address: manager_address.clone(),
+        interval: options.heartbeat_interval,
+        progress: progress_rx,
         events,
         lease,
-        refusals.clone(),
-    );
+        refusals: refusals.clone(),
+    }
+    .run();
     // A stopping server closes its heartbeat stream at once, so that the lighthouse
     // and the other groups learn now, not after the shutdown grace.
     handle.add_task(tokio::spawn(async move {

@@ -1,122 +1,23 @@
-//! `phalanx._core` bindings of checkpoint-free recovery's data path: a rank's state
-//! server, and the fetch a healing rank runs. `phalanx.recovery` builds on them.
+//! Checkpoint-free recovery's data path: a rank's state server, and the fetch a
+//! healing rank runs. `phalanx.recovery` builds on them.
 //!
-//! Transfers run on their own runtime, so a heal moving gigabytes never delays the
-//! heartbeats and quorum calls of the control runtime (a late heartbeat reads as a
-//! dead group). Memory is passed as (address, length) pairs of tensors that the
-//! Python side keeps alive; the calls below never return while a task of theirs may
-//! still touch that memory, Ctrl-C included.
+//! Memory is passed as (address, length) pairs of tensors that the Python side keeps
+//! alive; the calls below never return while a task of theirs may still touch that
+//! memory, Ctrl-C included.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::{
-    PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
-};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 
+use super::runtime::{state_to_py, wait_transfer, OnInterrupt};
+use super::{seconds_or_zero, unsigned};
 use crate::auth::JobToken;
-use crate::state::{
-    self, baseline, Corruption, DestRegion, FetchOptions, ServerOptions, SourceRegion, StateError,
-};
-use crate::ErrorKind;
+use crate::state::{self, Corruption, DestRegion, FetchOptions, ServerOptions, SourceRegion};
 
-/// How often a blocking call wakes up to let Ctrl-C through.
-const SIGNAL_CHECK: Duration = Duration::from_millis(100);
-
-fn runtime() -> &'static Runtime {
-    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        // Loopback and NIC copies are CPU work: one worker per core, within reason.
-        let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .thread_name("phalanx-state")
-            .enable_all()
-            .build()
-            .expect("cannot start the phalanx state runtime")
-    })
-}
-
-fn to_py(e: StateError) -> PyErr {
-    let message = e.message.clone();
-    match e.kind() {
-        ErrorKind::Timeout => PyTimeoutError::new_err(message),
-        ErrorKind::Connection => PyConnectionError::new_err(message),
-        ErrorKind::Permission => PyPermissionError::new_err(message),
-        ErrorKind::InvalidInput => PyValueError::new_err(message),
-        ErrorKind::Other => PyRuntimeError::new_err(message),
-    }
-}
-
-/// What to do with a task when Ctrl-C arrives while Python waits for it.
-enum OnInterrupt {
-    /// It touches no Python memory: drop it.
-    Abort,
-    /// It writes into Python memory: ask it to stop, then wait until it has.
-    Cancel(oneshot::Sender<()>),
-    /// It reads Python memory and ends soon on its own: wait for it.
-    Finish,
-}
-
-/// Runs `fut` as its own task on the state runtime and waits for it without the GIL.
-fn wait<T: Send + 'static>(
-    py: Python<'_>,
-    fut: impl Future<Output = Result<T, StateError>> + Send + 'static,
-    mut on_interrupt: OnInterrupt,
-) -> PyResult<T> {
-    let mut task = runtime().spawn(fut);
-    loop {
-        let step = py.detach(|| {
-            runtime().block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut task).await })
-        });
-        match step {
-            Ok(Ok(result)) => return result.map_err(to_py),
-            Ok(Err(e)) => {
-                return Err(PyRuntimeError::new_err(format!(
-                    "a phalanx state task failed: {e}"
-                )))
-            }
-            Err(_) => {
-                let Err(interrupt) = py.check_signals() else {
-                    continue;
-                };
-                match std::mem::replace(&mut on_interrupt, OnInterrupt::Abort) {
-                    OnInterrupt::Abort => task.abort(),
-                    OnInterrupt::Cancel(cancel) => {
-                        let _ = cancel.send(());
-                        let _ = py.detach(|| runtime().block_on(&mut task));
-                    }
-                    OnInterrupt::Finish => {
-                        let _ = py.detach(|| runtime().block_on(&mut task));
-                    }
-                }
-                return Err(interrupt);
-            }
-        }
-    }
-}
-
-fn unsigned(name: &str, value: i64) -> PyResult<u64> {
-    u64::try_from(value)
-        .map_err(|_| PyValueError::new_err(format!("{name} must be 0 or more, got {value}")))
-}
-
-fn seconds(name: &str, value: f64) -> PyResult<Duration> {
-    if !value.is_finite() || value < 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "{name} must be a number of seconds, 0 or more, got {value}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(value))
-}
-
-/// Checks (address, length) pairs from Python before they become memory regions.
 fn regions(pairs: &[(usize, usize)]) -> PyResult<()> {
     for (i, &(addr, len)) in pairs.iter().enumerate() {
         if len > 0 && addr == 0 {
@@ -177,7 +78,7 @@ impl StateServer {
             }),
             ..ServerOptions::default()
         };
-        let server = wait(py, state::StateServer::bind(options), OnInterrupt::Abort)?;
+        let server = wait_transfer(py, state::StateServer::bind(options), OnInterrupt::Abort)?;
         Ok(StateServer {
             address: server.address().to_string(),
             inner: Mutex::new(Some(Arc::new(server))),
@@ -203,16 +104,16 @@ impl StateServer {
             .collect();
         self.server()?
             .publish(step, quorum_id, manifest.to_vec(), regions)
-            .map_err(to_py)
+            .map_err(state_to_py)
     }
 
     /// Closes the window; waits up to `timeout` s for sends in flight, then cuts
     /// them. Returns how many were cut.
     #[pyo3(signature = (timeout = 5.0))]
     fn withdraw(&self, py: Python<'_>, timeout: f64) -> PyResult<usize> {
-        let grace = seconds("timeout", timeout)?;
+        let grace = seconds_or_zero("timeout", timeout)?;
         let server = self.server()?;
-        wait(
+        wait_transfer(
             py,
             async move { server.withdraw(grace).await },
             OnInterrupt::Finish,
@@ -241,7 +142,7 @@ impl StateServer {
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         let server = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
         match server {
-            Some(server) => wait(
+            Some(server) => wait_transfer(
                 py,
                 async move { server.shutdown().await },
                 OnInterrupt::Finish,
@@ -351,10 +252,10 @@ fn fetch_state(
     self::regions(&regions)?;
     let options = FetchOptions {
         token: JobToken::new(token),
-        timeout: seconds("timeout", timeout)?,
+        timeout: seconds_or_zero("timeout", timeout)?,
         connections_per_source,
         chunk_bytes,
-        stall_timeout: seconds("stall_timeout", stall_timeout)?,
+        stall_timeout: seconds_or_zero("stall_timeout", stall_timeout)?,
         ..FetchOptions::default()
     };
     // SAFETY: the caller keeps the memory alive and untouched until this returns, and
@@ -370,7 +271,7 @@ fn fetch_state(
         };
         state::fetch_state(&sources, step, quorum_id, dest, options, cancelled).await
     };
-    let inner = wait(py, fetch, OnInterrupt::Cancel(cancel))?;
+    let inner = wait_transfer(py, fetch, OnInterrupt::Cancel(cancel))?;
     Ok(FetchStats { inner })
 }
 
@@ -387,9 +288,9 @@ fn fetch_manifest<'py>(
     timeout: f64,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let quorum_id = unsigned("quorum_id", quorum_id)?;
-    let timeout = seconds("timeout", timeout)?;
+    let timeout = seconds_or_zero("timeout", timeout)?;
     let token = JobToken::new(token);
-    let manifest = wait(
+    let manifest = wait_transfer(
         py,
         async move { state::fetch_manifest(&sources, step, quorum_id, &token, timeout).await },
         OnInterrupt::Abort,
@@ -397,21 +298,10 @@ fn fetch_manifest<'py>(
     Ok(PyBytes::new(py, &manifest))
 }
 
-/// Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback
-/// TCP connections (blocking threads, no framing, no checksum).
-#[pyfunction]
-#[pyo3(signature = (nbytes, connections = 2))]
-fn bench_raw_tcp(py: Python<'_>, nbytes: usize, connections: usize) -> PyResult<f64> {
-    py.detach(|| baseline::raw_tcp_seconds(nbytes, connections))
-        .map_err(|e| PyRuntimeError::new_err(format!("raw TCP baseline failed: {e}")))
-}
-
-/// Adds the recovery bindings to `phalanx._core`.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<StateServer>()?;
     m.add_class::<FetchStats>()?;
     m.add_function(wrap_pyfunction!(fetch_state, m)?)?;
     m.add_function(wrap_pyfunction!(fetch_manifest, m)?)?;
-    m.add_function(wrap_pyfunction!(bench_raw_tcp, m)?)?;
     Ok(())
 }

@@ -1,0 +1,237 @@
+//! A group's heartbeat: one stream to the lighthouse for as long as the manager server
+//! runs, re-opened after a lighthouse restart. Beats carry the group's progress (and
+//! its refusal counts when they change); the lighthouse answers with leases and with
+//! the membership losses the group must act on.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{broadcast, mpsc, watch};
+use tonic::Streaming;
+
+use crate::client::LighthouseClient;
+use crate::gate::{self, GroupRefusals, RefusalCounts};
+use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
+
+/// A lighthouse that restarts is back within a second or so; its groups should be too.
+const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
+
+/// What a group's heartbeat reports besides being alive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub last_quorum_id: u64,
+    pub step: i64,
+}
+
+/// What the lighthouse last acknowledged: while `until` is ahead, it will not declare
+/// this group dead, and the group is a live member of quorum `quorum_id` (0: none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub quorum_id: u64,
+    pub until: Instant,
+    /// When the acknowledged beat was sent.
+    pub sent_at: Instant,
+}
+
+impl Lease {
+    /// Whether the group may still commit a step of `quorum_id` at `now`.
+    pub fn holds(&self, quorum_id: u64, now: Instant) -> bool {
+        quorum_id != 0 && self.quorum_id == quorum_id && now < self.until
+    }
+}
+
+/// The part of a lease the group keeps for itself: clocks tick at slightly different
+/// rates and a decision takes a moment after its check.
+fn lease_length(lease_ms: u64) -> Duration {
+    let granted = Duration::from_millis(lease_ms);
+    granted.saturating_sub((granted / 10).max(Duration::from_millis(20)))
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The send times of the beats not acknowledged yet, by sequence number.
+#[derive(Default)]
+struct InFlight(Mutex<VecDeque<(u64, Instant)>>);
+
+impl InFlight {
+    /// Keeps a bounded history: a lighthouse that never answers cannot grow it.
+    const KEPT: usize = 256;
+
+    fn sent(&self, seq: u64, at: Instant) {
+        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if sent.len() == Self::KEPT {
+            sent.pop_front();
+        }
+        sent.push_back((seq, at));
+    }
+
+    /// The send time of `seq`, forgetting it and every earlier beat.
+    fn acknowledged(&self, seq: u64) -> Option<Instant> {
+        let mut sent = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(&(s, at)) = sent.front() {
+            if s > seq {
+                return None;
+            }
+            sent.pop_front();
+            if s == seq {
+                return Some(at);
+            }
+        }
+        None
+    }
+}
+
+/// A group's heartbeat, ready to run.
+pub struct Heartbeat {
+    pub client: LighthouseClient,
+    pub replica_id: String,
+    pub manager_address: String,
+    pub interval: Duration,
+    /// What each beat reports.
+    pub progress: watch::Receiver<Progress>,
+    /// Where the membership losses the lighthouse pushes go.
+    pub events: broadcast::Sender<proto::MembershipLost>,
+    /// The lease of the last acknowledged beat; None while no stream is open.
+    pub lease: watch::Sender<Option<Lease>>,
+    pub refusals: Arc<GroupRefusals>,
+}
+
+impl Heartbeat {
+    /// Keeps the stream open for as long as the task runs.
+    pub async fn run(self) {
+        let mut backoff = self.interval;
+        loop {
+            let in_flight = Arc::new(InFlight::default());
+            let (beats, sender) = self.send_beats(in_flight.clone());
+            match self
+                .client
+                .heartbeat(beats, self.interval.max(Duration::from_secs(1)))
+                .await
+            {
+                Ok(stream) => {
+                    backoff = self.interval;
+                    self.follow(stream, &in_flight).await;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        replica_id = self.replica_id,
+                        "cannot open the heartbeat stream: {}",
+                        e.message()
+                    );
+                    backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(self.interval));
+                }
+            }
+            // Without a stream the group cannot know whether the lighthouse still
+            // counts it in: no lease until a new stream's first acknowledgement.
+            self.lease.send_replace(None);
+            drop(sender);
+            tokio::time::sleep(backoff).await;
+        }
+    }
+
+    /// The beats of one stream, and the task that sends them every interval.
+    fn send_beats(&self, in_flight: Arc<InFlight>) -> (mpsc::Receiver<proto::Beat>, AbortOnDrop) {
+        let (beats_tx, beats_rx) = mpsc::channel(4);
+        let mut beat = self.beat_maker();
+        // Only the first beat names the group; the server reads it before answering,
+        // so it is queued before the call.
+        in_flight.sent(1, Instant::now());
+        let _ = beats_tx.try_send(proto::Beat {
+            replica_id: self.replica_id.clone(),
+            manager_address: self.manager_address.clone(),
+            ..beat(*self.progress.borrow(), 1)
+        });
+        let progress = self.progress.clone();
+        let interval = self.interval;
+        let sender = AbortOnDrop(tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker.tick().await;
+            let mut seq = 1;
+            loop {
+                ticker.tick().await;
+                seq += 1;
+                // Stamped before it is queued: a lease counts from no later than the
+                // beat's real departure.
+                in_flight.sent(seq, Instant::now());
+                let next = beat(*progress.borrow(), seq);
+                if beats_tx.send(next).await.is_err() {
+                    return;
+                }
+            }
+        }));
+        (beats_rx, sender)
+    }
+
+    /// Makes the beats of one stream: refusal counts ride on a beat when they changed
+    /// (and on a stream's first).
+    fn beat_maker(&self) -> impl FnMut(Progress, u64) -> proto::Beat + Send + 'static {
+        let refusals = self.refusals.clone();
+        let mut reported = RefusalCounts::new();
+        move |p: Progress, seq: u64| {
+            let totals = refusals.totals();
+            let refused = if totals == reported {
+                Vec::new()
+            } else {
+                reported = totals;
+                gate::counts_to_wire(&reported)
+            };
+            proto::Beat {
+                protocol_version: PROTOCOL_VERSION,
+                replica_id: String::new(),
+                manager_address: String::new(),
+                last_quorum_id: p.last_quorum_id,
+                step: p.step,
+                seq,
+                refused,
+            }
+        }
+    }
+
+    /// Acts on what the lighthouse sends until the stream ends.
+    async fn follow(&self, mut stream: Streaming<proto::LighthouseEvent>, in_flight: &InFlight) {
+        let replica_id = &self.replica_id;
+        loop {
+            match stream.message().await {
+                Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
+                    Event::MembershipLost(lost) => {
+                        let _ = self.events.send(lost);
+                    }
+                    Event::Lease(granted) => {
+                        if let Some(sent_at) = in_flight.acknowledged(granted.seq) {
+                            self.lease.send_replace(Some(Lease {
+                                quorum_id: granted.quorum_id,
+                                until: sent_at + lease_length(granted.lease_ms),
+                                sent_at,
+                            }));
+                        }
+                    }
+                },
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    tracing::warn!(
+                        replica_id,
+                        "the lighthouse ended the heartbeat stream; re-opening"
+                    );
+                    return;
+                }
+                Err(status) => {
+                    tracing::warn!(
+                        replica_id,
+                        "heartbeat stream lost: {}; re-opening",
+                        status.message()
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}

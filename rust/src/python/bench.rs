@@ -1,0 +1,71 @@
+//! Load generators and yardsticks for `benches/`; not part of the training API.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use super::runtime::wait;
+use super::seconds;
+use crate::auth::JobToken;
+use crate::state::baseline;
+
+/// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
+/// (seconds from the last request to the last answer, membership changed, quorum id)
+/// for each round.
+#[pyfunction]
+#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None))]
+fn bench_quorum_rounds(
+    py: Python<'_>,
+    address: String,
+    replicas: usize,
+    rounds: usize,
+    change_every: usize,
+    timeout: f64,
+    token: Option<String>,
+) -> PyResult<Vec<(f64, bool, u64)>> {
+    let timeout = seconds("timeout", timeout)?;
+    let token = JobToken::new(token);
+    let timings = wait(py, async move {
+        crate::loadgen::quorum_rounds(&address, &token, replicas, rounds, change_every, timeout)
+            .await
+    })?;
+    Ok(timings
+        .into_iter()
+        .map(|t| (t.latency.as_secs_f64(), t.changed, t.quorum_id))
+        .collect())
+}
+
+/// Benchmark load: `replicas` heartbeat streams at `hz` over `connections`
+/// connections for `duration` seconds. Returns the beats sent.
+#[pyfunction]
+#[pyo3(signature = (address, replicas, hz, duration, connections = 64, token = None))]
+fn bench_heartbeats(
+    py: Python<'_>,
+    address: String,
+    replicas: usize,
+    hz: f64,
+    duration: f64,
+    connections: usize,
+    token: Option<String>,
+) -> PyResult<u64> {
+    let duration = seconds("duration", duration)?;
+    let token = JobToken::new(token);
+    wait(py, async move {
+        crate::loadgen::heartbeats(&address, &token, replicas, hz, connections, duration).await
+    })
+}
+
+/// Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback
+/// TCP connections (blocking threads, no framing, no checksum).
+#[pyfunction]
+#[pyo3(signature = (nbytes, connections = 2))]
+fn bench_raw_tcp(py: Python<'_>, nbytes: usize, connections: usize) -> PyResult<f64> {
+    py.detach(|| baseline::raw_tcp_seconds(nbytes, connections))
+        .map_err(|e| PyRuntimeError::new_err(format!("raw TCP baseline failed: {e}")))
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(bench_quorum_rounds, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_heartbeats, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_raw_tcp, m)?)?;
+    Ok(())
+}

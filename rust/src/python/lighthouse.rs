@@ -1,0 +1,219 @@
+//! The lighthouse served from Python, its client, and the `phalanx lighthouse` command.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyKeyboardInterrupt;
+use pyo3::prelude::*;
+
+use super::runtime::{control, wait};
+use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
+use super::{seconds, stop, to_py, unsigned};
+use crate::auth::JobToken;
+use crate::cli::LighthouseArgs;
+use crate::client;
+use crate::gate::GateLimits;
+use crate::lighthouse::{self, LighthouseOptions};
+use crate::proto;
+use crate::server::ServerHandle;
+
+/// The lighthouse of a job, running in this process.
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct LighthouseServer {
+    handle: Mutex<Option<ServerHandle>>,
+    #[pyo3(get)]
+    address: String,
+}
+
+#[pymethods]
+impl LighthouseServer {
+    #[new]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None, insecure = false))]
+    fn new(
+        py: Python<'_>,
+        bind: &str,
+        min_replicas: i64,
+        join_timeout: f64,
+        heartbeat_timeout: f64,
+        token: Option<String>,
+        insecure: bool,
+    ) -> PyResult<Self> {
+        let options = LighthouseOptions {
+            bind: bind.to_string(),
+            min_replicas: unsigned("min_replicas", min_replicas)?,
+            join_timeout: seconds("join_timeout", join_timeout)?,
+            heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
+            token: JobToken::new(token),
+            connections: GateLimits::RPC,
+            insecure,
+        };
+        let handle = wait(py, lighthouse::serve(options))?;
+        let addr = handle.local_addr();
+        let address = crate::server::advertised_address(addr, None);
+        Ok(LighthouseServer {
+            handle: Mutex::new(Some(handle)),
+            address,
+        })
+    }
+
+    /// The status page, for a browser.
+    #[getter]
+    fn status_url(&self) -> String {
+        format!("http://{}/", self.address)
+    }
+
+    /// Stops serving; open calls get a short grace. Idempotent.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        stop(py, &self.handle)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc: Bound<'_, PyAny>,
+        _v: Bound<'_, PyAny>,
+        _tb: Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.shutdown(py).map(|()| false)
+    }
+}
+
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct LighthouseClient {
+    inner: client::LighthouseClient,
+}
+
+#[pymethods]
+impl LighthouseClient {
+    #[new]
+    #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        token: Option<String>,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        let connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        let token = JobToken::new(token);
+        // Building a channel needs a runtime context.
+        let inner = py
+            .detach(|| {
+                let _enter = control().enter();
+                client::LighthouseClient::new(address, &token, connect_timeout)
+            })
+            .map_err(to_py)?;
+        Ok(LighthouseClient { inner })
+    }
+
+    /// Waits until a quorum that includes `replica_id` is issued.
+    #[pyo3(signature = (replica_id, timeout, step = 0, world_size = 1, manager_address = String::new(), store_address = String::new(), state_addresses = Vec::new(), shrink_only = false, commit_failures = 0, last_quorum_id = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn quorum(
+        &self,
+        py: Python<'_>,
+        replica_id: String,
+        timeout: f64,
+        step: i64,
+        world_size: i64,
+        manager_address: String,
+        store_address: String,
+        state_addresses: Vec<String>,
+        shrink_only: bool,
+        commit_failures: i64,
+        last_quorum_id: i64,
+    ) -> PyResult<Quorum> {
+        let timeout = seconds("timeout", timeout)?;
+        let member = proto::Member {
+            replica_id,
+            manager_address,
+            store_address,
+            step,
+            world_size: unsigned("world_size", world_size)?,
+            shrink_only,
+            commit_failures: unsigned("commit_failures", commit_failures)?,
+            state_addresses,
+            ..Default::default()
+        };
+        let last_quorum_id = unsigned("last_quorum_id", last_quorum_id)?;
+        let client = self.inner.clone();
+        let q = wait(py, async move {
+            client.quorum(member, last_quorum_id, timeout).await
+        })?;
+        Ok(Quorum {
+            quorum_id: q.quorum_id,
+            participants: q.participants.into_iter().map(Into::into).collect(),
+            issued_at_unix_ms: q.issued_at_unix_ms,
+        })
+    }
+
+    #[pyo3(signature = (timeout = 5.0))]
+    fn status(&self, py: Python<'_>, timeout: f64) -> PyResult<LighthouseStatus> {
+        let timeout = seconds("timeout", timeout)?;
+        let client = self.inner.clone();
+        let s = wait(py, async move { client.status(timeout).await })?;
+        Ok(LighthouseStatus {
+            quorum_id: s.quorum_id,
+            quorum_members: s.quorum_members,
+            replicas: s
+                .replicas
+                .into_iter()
+                .map(|r| ReplicaStatus {
+                    replica_id: r.replica_id,
+                    connected: r.connected,
+                    joined: r.joined,
+                    in_quorum: r.in_quorum,
+                    step: r.step,
+                    heartbeat_age_ms: r.heartbeat_age_ms,
+                    peer: r.peer,
+                })
+                .collect(),
+            waiting_for: s.waiting_for,
+            quorums_issued: s.quorums_issued,
+            uptime_ms: s.uptime_ms,
+            min_replicas: s.min_replicas,
+            join_timeout_ms: s.join_timeout_ms,
+            heartbeat_timeout_ms: s.heartbeat_timeout_ms,
+        })
+    }
+}
+
+/// `phalanx lighthouse ARGS…`: parses the arguments like the standalone binary and
+/// serves until SIGINT or SIGTERM. Returns the process exit code.
+#[pyfunction]
+fn run_lighthouse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
+    use clap::Parser;
+    let args = match LighthouseArgs::try_parse_from(argv) {
+        Ok(args) => args,
+        Err(e) => {
+            let code = e.exit_code();
+            let _ = e.print();
+            return Ok(code);
+        }
+    };
+    let served = py.detach(|| control().block_on(crate::cli::run_lighthouse(args)));
+    // A SIGINT that stopped the lighthouse also reached Python's own handler; it has
+    // been acted on, so it must not come back as a KeyboardInterrupt traceback.
+    if let Err(e) = py.check_signals() {
+        if !e.is_instance_of::<PyKeyboardInterrupt>(py) {
+            return Err(e);
+        }
+    }
+    // Like the standalone binary: a line that says what to fix, not a traceback.
+    match served {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            eprintln!("phalanx lighthouse: {e}");
+            Ok(1)
+        }
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<LighthouseServer>()?;
+    m.add_class::<LighthouseClient>()?;
+    m.add_function(wrap_pyfunction!(run_lighthouse_cli, m)?)?;
+    Ok(())
+}

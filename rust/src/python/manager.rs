@@ -1,0 +1,284 @@
+//! A replica group's manager server and a rank's client of it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use tokio::sync::mpsc;
+
+use super::runtime::{control, wait};
+use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
+use super::{seconds, stop, to_py, unsigned};
+use crate::auth::JobToken;
+use crate::client;
+use crate::gate::{GateLimits, GroupRefusals};
+use crate::manager::{self, ManagerOptions};
+use crate::proto;
+use crate::server::ServerHandle;
+
+/// A replica group's manager server, hosted by its rank 0.
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct ManagerServer {
+    handle: Mutex<Option<ServerHandle>>,
+    #[pyo3(get)]
+    address: String,
+    refusals: Arc<GroupRefusals>,
+}
+
+#[pymethods]
+impl ManagerServer {
+    #[new]
+    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = 0.1, connect_timeout = 5.0, init_sync = true, token = None, also_bind = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        replica_id: String,
+        lighthouse_address: String,
+        world_size: i64,
+        bind: &str,
+        store_address: String,
+        advertise_host: Option<String>,
+        heartbeat_interval: f64,
+        connect_timeout: f64,
+        init_sync: bool,
+        token: Option<String>,
+        also_bind: Option<String>,
+    ) -> PyResult<Self> {
+        let options = ManagerOptions {
+            replica_id,
+            lighthouse_address,
+            bind: bind.to_string(),
+            also_bind,
+            advertise_host,
+            store_address,
+            world_size: unsigned("world_size", world_size)?,
+            heartbeat_interval: seconds("heartbeat_interval", heartbeat_interval)?,
+            connect_timeout: seconds("connect_timeout", connect_timeout)?,
+            init_sync,
+            token: JobToken::new(token),
+            connections: GateLimits::RPC,
+        };
+        let handle = wait(py, manager::serve(options))?;
+        Ok(ManagerServer {
+            handle: Mutex::new(Some(handle.server)),
+            address: handle.address,
+            refusals: handle.refusals,
+        })
+    }
+
+    /// Requests and connections turned away so far, by reason.
+    #[getter]
+    fn refused_requests(&self) -> HashMap<&'static str, u64> {
+        self.refusals
+            .totals()
+            .into_iter()
+            .map(|(reason, n)| (reason.as_str(), n))
+            .collect()
+    }
+
+    /// Stops serving and closes the group's heartbeat stream. Idempotent.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        stop(py, &self.handle)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc: Bound<'_, PyAny>,
+        _v: Bound<'_, PyAny>,
+        _tb: Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        self.shutdown(py).map(|()| false)
+    }
+}
+
+type EventQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<proto::MembershipLost>>>;
+
+/// One rank's connection to its group's manager server.
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct ManagerClient {
+    inner: client::ManagerClient,
+    events: Mutex<Option<EventQueue>>,
+}
+
+#[pymethods]
+impl ManagerClient {
+    #[new]
+    #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        token: Option<String>,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        let connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        let token = JobToken::new(token);
+        let inner = py
+            .detach(|| {
+                let _enter = control().enter();
+                client::ManagerClient::new(address, &token, connect_timeout)
+            })
+            .map_err(to_py)?;
+        Ok(ManagerClient {
+            inner,
+            events: Mutex::new(None),
+        })
+    }
+
+    /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
+    /// must ask for the same step.
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn quorum(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        step: i64,
+        timeout: f64,
+        state_address: String,
+        shrink_only: bool,
+        state_quorum_id: u64,
+        torn: bool,
+        state_refused: Option<HashMap<String, u64>>,
+    ) -> PyResult<QuorumResult> {
+        let timeout = seconds("timeout", timeout)?;
+        let request = proto::ManagerQuorumRequest {
+            group_rank: unsigned("group_rank", group_rank)?,
+            step,
+            state_address,
+            shrink_only,
+            state_quorum_id,
+            torn,
+            state_refused: state_refused
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(reason, count)| proto::RefusalCount { reason, count })
+                .collect(),
+            ..Default::default()
+        };
+        let client = self.inner.clone();
+        let r = wait(py, async move { client.quorum(request, timeout).await })?;
+        Ok(QuorumResult {
+            quorum_id: r.quorum_id,
+            replica_rank: r.replica_rank,
+            replica_world_size: r.replica_world_size,
+            participants: r.participants.into_iter().map(Into::into).collect(),
+            max_step: r.max_step,
+            max_state_quorum_id: r.max_state_quorum_id,
+            heal: r.heal,
+            recovery_sources: r
+                .recovery_sources
+                .into_iter()
+                .map(|s| RecoverySource {
+                    replica_id: s.replica_id,
+                    state_address: s.state_address,
+                })
+                .collect(),
+            contributors: r.contributors,
+            serves_healers: r.serves_healers,
+            store_address: r.store_address,
+            store_prefix: r.store_prefix,
+        })
+    }
+
+    /// The group's decision for `step`: commit only if every rank voted yes in time
+    /// and the group still holds the lighthouse's lease of the step's quorum.
+    /// `quorum_id` (0: the one the group's ranks were last handed) names that quorum;
+    /// `torn` says this rank's heal failed part way.
+    #[pyo3(signature = (group_rank, step, vote, timeout, quorum_id = 0, torn = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn should_commit(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        step: i64,
+        vote: bool,
+        timeout: f64,
+        quorum_id: u64,
+        torn: bool,
+    ) -> PyResult<CommitDecision> {
+        let timeout = seconds("timeout", timeout)?;
+        let vote = proto::ShouldCommitRequest {
+            group_rank: unsigned("group_rank", group_rank)?,
+            step,
+            vote,
+            quorum_id,
+            torn,
+            ..Default::default()
+        };
+        let client = self.inner.clone();
+        let d = wait(py, async move { client.should_commit(vote, timeout).await })?;
+        Ok(CommitDecision {
+            commit: d.commit,
+            torn: d.torn,
+        })
+    }
+
+    /// Starts listening for membership-loss events (idempotent). Events that happen
+    /// before the first call are not seen.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn subscribe_events(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        if self.events_slot().is_some() {
+            return Ok(());
+        }
+        let timeout = seconds("timeout", timeout)?;
+        let client = self.inner.clone();
+        let mut stream = wait(py, async move { client.events(timeout).await })?;
+        let (tx, rx) = mpsc::channel(64);
+        control().spawn(async move {
+            while let Ok(Some(event)) = stream.message().await {
+                if let Some(lost) = event.membership_lost {
+                    if tx.send(lost).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        let mut slot = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert_with(|| Arc::new(tokio::sync::Mutex::new(rx)));
+        Ok(())
+    }
+
+    /// The next membership-loss event, or None after `timeout` seconds (0: don't wait).
+    #[pyo3(signature = (timeout = 0.0))]
+    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<MembershipLost>> {
+        self.subscribe_events(py, 5.0)?;
+        let Some(events) = self.events_slot() else {
+            return Ok(None);
+        };
+        let wait_for = if timeout > 0.0 {
+            seconds("timeout", timeout)?
+        } else {
+            Duration::ZERO
+        };
+        let event = wait(py, async move {
+            let mut rx = events.lock().await;
+            // Elapsed: no event within the timeout.
+            Ok(tokio::time::timeout(wait_for, rx.recv())
+                .await
+                .unwrap_or_default())
+        })?;
+        Ok(event.map(Into::into))
+    }
+}
+
+impl ManagerClient {
+    fn events_slot(&self) -> Option<EventQueue> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ManagerServer>()?;
+    m.add_class::<ManagerClient>()?;
+    m.add("STORE_REPLICA_ID_KEY", manager::REPLICA_ID_KEY)?;
+    Ok(())
+}

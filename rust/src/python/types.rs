@@ -1,0 +1,172 @@
+//! What the lighthouse and the manager server answer, as frozen Python objects.
+
+use pyo3::prelude::*;
+
+use crate::proto;
+
+macro_rules! debug_repr {
+    ($($t:ty),*) => {$(
+        #[pymethods]
+        impl $t {
+            fn __repr__(&self) -> String {
+                format!("{self:?}")
+            }
+        }
+    )*};
+}
+
+/// A replica group as it took part in a quorum.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub(super) replica_id: String,
+    pub(super) manager_address: String,
+    pub(super) store_address: String,
+    pub(super) step: i64,
+    pub(super) world_size: u32,
+    pub(super) shrink_only: bool,
+    pub(super) commit_failures: u32,
+    pub(super) state_addresses: Vec<String>,
+    pub(super) state_quorum_id: u64,
+    pub(super) torn: bool,
+}
+
+impl From<proto::Member> for Member {
+    fn from(m: proto::Member) -> Self {
+        Member {
+            replica_id: m.replica_id,
+            manager_address: m.manager_address,
+            store_address: m.store_address,
+            step: m.step,
+            world_size: m.world_size,
+            shrink_only: m.shrink_only,
+            commit_failures: m.commit_failures,
+            state_addresses: m.state_addresses,
+            state_quorum_id: m.state_quorum_id,
+            torn: m.torn,
+        }
+    }
+}
+
+/// A quorum as the lighthouse issued it.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct Quorum {
+    pub(super) quorum_id: u64,
+    pub(super) participants: Vec<Member>,
+    pub(super) issued_at_unix_ms: i64,
+}
+
+/// An up-to-date peer a healing rank downloads from.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct RecoverySource {
+    pub(super) replica_id: String,
+    pub(super) state_address: String,
+}
+
+/// One rank's answer to a quorum request.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct QuorumResult {
+    pub(super) quorum_id: u64,
+    pub(super) replica_rank: u32,
+    pub(super) replica_world_size: u32,
+    pub(super) participants: Vec<Member>,
+    pub(super) max_step: i64,
+    pub(super) max_state_quorum_id: u64,
+    pub(super) heal: bool,
+    pub(super) recovery_sources: Vec<RecoverySource>,
+    pub(super) contributors: u32,
+    pub(super) serves_healers: bool,
+    pub(super) store_address: String,
+    pub(super) store_prefix: String,
+}
+
+/// A group's decision on a step.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct CommitDecision {
+    /// Every rank voted yes in time and the group still counts in the step's quorum.
+    pub(super) commit: bool,
+    /// Some rank of the group holds a torn state (its heal failed part way).
+    pub(super) torn: bool,
+}
+
+#[pymethods]
+impl CommitDecision {
+    fn __bool__(&self) -> bool {
+        self.commit
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+/// Members of the current quorum died; abandon the step in flight.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct MembershipLost {
+    pub(super) quorum_id: u64,
+    pub(super) lost: Vec<String>,
+    pub(super) cause: String,
+}
+
+impl From<proto::MembershipLost> for MembershipLost {
+    fn from(m: proto::MembershipLost) -> Self {
+        MembershipLost {
+            quorum_id: m.quorum_id,
+            lost: m.lost,
+            cause: m.cause,
+        }
+    }
+}
+
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct ReplicaStatus {
+    pub(super) replica_id: String,
+    pub(super) connected: bool,
+    pub(super) joined: bool,
+    pub(super) in_quorum: bool,
+    pub(super) step: i64,
+    pub(super) heartbeat_age_ms: u64,
+    pub(super) peer: String,
+}
+
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct LighthouseStatus {
+    pub(super) quorum_id: u64,
+    pub(super) quorum_members: Vec<String>,
+    pub(super) replicas: Vec<ReplicaStatus>,
+    pub(super) waiting_for: String,
+    pub(super) quorums_issued: u64,
+    pub(super) uptime_ms: u64,
+    pub(super) min_replicas: u32,
+    pub(super) join_timeout_ms: u64,
+    pub(super) heartbeat_timeout_ms: u64,
+}
+
+debug_repr!(
+    Member,
+    Quorum,
+    RecoverySource,
+    QuorumResult,
+    MembershipLost,
+    ReplicaStatus,
+    LighthouseStatus
+);
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Member>()?;
+    m.add_class::<Quorum>()?;
+    m.add_class::<RecoverySource>()?;
+    m.add_class::<QuorumResult>()?;
+    m.add_class::<CommitDecision>()?;
+    m.add_class::<MembershipLost>()?;
+    m.add_class::<LighthouseStatus>()?;
+    m.add_class::<ReplicaStatus>()?;
+    Ok(())
+}
