@@ -117,6 +117,17 @@ def test_a_hung_group_is_excluded_after_the_heartbeat_timeout_and_rejoins(lighth
         r'^phalanx_lighthouse_evictions_total\{cause="heartbeat_timeout"\} 1$', metrics, re.M
     )
 
+    # What an operator alerts on: b's heal (its bytes: see test_one_state_per_step) and
+    # the steps both groups committed.
+    def counted(family: str, group: str) -> int:
+        line = rf'^phalanx_lighthouse_group_{family}_total\{{replica_id="{group}"\}} (\d+)$'
+        found = re.search(line, http_get(f"http://{lighthouse.address}/metrics")[1], re.M)
+        return int(found.group(1)) if found else 0
+
+    wait_until(lambda: counted("heals", "b") >= 1, 5.0, "b's heal")
+    assert counted("heals", "a") == 0
+    assert min(counted("steps_committed", g) for g in "ab") >= 2
+
 
 def test_a_hung_group_among_three_is_left_out_after_the_join_timeout(lighthouse, start_group):
     # With a majority alive, the others need not wait for the heartbeat timeout: the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -180,7 +181,8 @@ def test_metrics_come_in_the_format_the_scraper_asks_for_and_both_parse(lighthou
         client = phalanx.ManagerClient(server.address)
         client.quorum(0, 0, timeout=5.0, state_refused={"token": 2})
         metrics = f"http://{lighthouse.address}/metrics"
-        wait_until(lambda: "group_refused" in http_get(metrics)[1], 5.0, "a group's refusals")
+        refused = 'group_refused_requests_total{replica_id="g",reason="token"} 2'
+        wait_until(lambda: refused in http_get(metrics)[1], 5.0, "a group's refusals")
 
         _, openmetrics = http_get(metrics, accept=PROMETHEUS_ACCEPT)
         _, text = http_get(metrics)
@@ -200,6 +202,30 @@ def test_metrics_come_in_the_format_the_scraper_asks_for_and_both_parse(lighthou
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_groups_commits_failures_and_heal_bytes_are_counted_at_the_lighthouse(lighthouse):
+    metrics = f"http://{lighthouse.address}/metrics"
+    sample = 'phalanx_lighthouse_group_{}{{replica_id="g"}} {}\n'.format
+    with phalanx.ManagerServer("g", lighthouse.address, heartbeat_interval=0.05) as server:
+        client = phalanx.ManagerClient(server.address)
+        q = client.quorum(0, 0, timeout=5.0)
+        assert client.should_commit(0, 0, True, timeout=5.0, quorum_id=q.quorum_id).commit
+        q = client.quorum(0, 1, timeout=5.0, healed_bytes=4096)
+        assert not client.should_commit(0, 1, False, timeout=5.0, quorum_id=q.quorum_id).commit
+        wait_until(
+            lambda: sample("steps_failed_total", 1) in http_get(metrics)[1], 5.0, "the failure"
+        )
+        text = http_get(metrics)[1]
+        status = json.loads(http_get(f"http://{lighthouse.address}/status")[1])
+
+    assert sample("steps_committed_total", 1) in text
+    assert sample("healed_bytes_total", 4096) in text
+    assert sample("heals_total", 0) in text
+    assert re.search(r'group_last_commit_age_seconds\{replica_id="g"\} \d', text)
+    assert re.search(r"\nphalanx_lighthouse_last_commit_age_seconds \d", text)
+    (g,) = status["replicas"]
+    assert (g["steps_committed"], g["steps_failed"], g["healed_bytes"]) == (1, 1, 4096)
 
 
 def test_a_waiting_request_ends_promptly_when_the_lighthouse_shuts_down():

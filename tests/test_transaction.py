@@ -7,6 +7,7 @@ are bit-identical (I1); a group commits a step only if every rank voted yes (I2)
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 import phalanx
 
-from conftest import TESTS, Child, free_port
+from conftest import TESTS, Child, free_port, http_get
 
 TRAIN = TESTS / "ft_train.py"
 STEPS = 150
@@ -117,6 +118,15 @@ def test_three_groups_train_through_a_kill_and_the_restarted_group_heals(spawn, 
 
     for child in [groups["a"], groups["b"], restarted]:
         child.expect(lambda line: line.get("event") == "done", 120, "training finishes")
+    # The lighthouse counted c's heal and the bytes it fetched, across its restart.
+    metrics = http_get(f"http://{lighthouse.address}/metrics")[1]
+    counted = {
+        family: int(found.group(1))
+        for family in ("heals", "healed_bytes", "steps_committed")
+        if (found := re.search(rf'group_{family}_total\{{replica_id="c"\}} (\d+)', metrics))
+    }
+    assert counted["heals"] >= 1 and counted["healed_bytes"] > 0, counted
+    assert counted["steps_committed"] >= 8, counted
     # Most steps were reached by two groups or more (on a starved machine a group can be
     # declared dead for a while and heal over the steps it missed).
     compared = assert_bit_identical([groups["a"], groups["b"], groups["c"], restarted])

@@ -271,11 +271,13 @@ class ManagerClient:
         state_quorum_id: int = 0,
         torn: bool = False,
         state_refused: dict[str, int] | None = None,
+        healed_bytes: int = 0,
     ) -> QuorumResult:
         """Asks for the quorum of `step` (the state committed in quorum
         `state_quorum_id`; `torn` after a failed heal); every rank of the group must ask
         for the same step. `state_refused`: this rank's state server's refusals so far
-        (`StateServer.refused_requests`), which the group reports to the lighthouse."""
+        (`StateServer.refused_requests`), and `healed_bytes`: the bytes it fetched in
+        heals so far, both of which the group reports to the lighthouse."""
     def should_commit(
         self,
         group_rank: int,

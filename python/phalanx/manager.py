@@ -300,6 +300,8 @@ class Manager:
         self._state_quorum_id = 0
         #: A heal failed part way: the state is unusable until a heal succeeds.
         self._torn = False
+        # Tensor bytes fetched in heals so far, for the lighthouse's metrics.
+        self._healed_bytes = 0
         #: The identity before this step's heal, restored if the group's heal failed.
         self._before_heal: tuple[int, int] | None = None
         self._quorum: _core.QuorumResult | None = None
@@ -409,6 +411,7 @@ class Manager:
             self._state_quorum_id,
             self._torn,
             self._host.refused_requests,
+            self._healed_bytes,
         )
 
     def allreduce(
@@ -786,6 +789,7 @@ class Manager:
                 self._state(),
                 token=self._token,
                 timeout=self.timeouts.heal,
+                report=self._count_healed,
             )
         except IncompatibleStateError:
             raise  # this group was built unlike its peers: no retry can help
@@ -817,6 +821,9 @@ class Manager:
         self._step = q.max_step
         self._state_quorum_id = q.max_state_quorum_id
         self._torn = False
+
+    def _count_healed(self, stats: _core.FetchStats) -> None:
+        self._healed_bytes += stats.bytes
 
     def _watch_membership(self) -> None:
         while not self._closed:

@@ -1,18 +1,17 @@
 //! Prometheus metrics of the lighthouse, served at `/metrics`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
-use std::sync::Mutex;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Registry, Unit};
 
 use super::state::{Eviction, Snapshot};
-use crate::gate::{RefusalCounts, Refusals};
+use crate::gate::Refusals;
 
 type Labels = Vec<(&'static str, &'static str)>;
 type GroupLabels = Vec<(&'static str, String)>;
@@ -27,10 +26,6 @@ pub struct Metrics {
     pub heartbeats: Counter,
     pub evictions: Family<Labels, Counter>,
     pub refusals: Refusals,
-    group_refusals: Family<GroupLabels, Counter>,
-    /// What each replica id reported last: its counts are totals since its manager
-    /// server started, so the counters grow by the difference.
-    group_reported: Mutex<HashMap<String, RefusalCounts>>,
 }
 
 impl Metrics {
@@ -46,8 +41,6 @@ impl Metrics {
             heartbeats: Counter::default(),
             evictions: Family::default(),
             refusals: Refusals::default(),
-            group_refusals: Family::default(),
-            group_reported: Mutex::default(),
             registry: Registry::default(),
         };
         registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
@@ -82,12 +75,6 @@ impl Metrics {
             "Requests and connections refused, by reason",
             m.refusals.family(),
         );
-        registry.register(
-            "group_refused_requests",
-            "Requests and connections refused by a replica group's manager server and state \
-             servers, by group and reason",
-            m.group_refusals.clone(),
-        );
         for cause in Eviction::ALL {
             m.evicted_family(cause);
         }
@@ -102,32 +89,6 @@ impl Metrics {
         self.evictions
             .get_or_create(&vec![("cause", cause.as_str())])
             .clone()
-    }
-
-    /// `replica_id` reported `counts`, its totals so far.
-    pub fn group_refused(&self, replica_id: &str, counts: RefusalCounts) {
-        let mut reported = self
-            .group_reported
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let before = reported.entry(replica_id.to_string()).or_default();
-        for &(reason, count) in &counts {
-            let was = before
-                .iter()
-                .find(|(r, _)| *r == reason)
-                .map_or(0, |(_, n)| *n);
-            // Fewer than before: a restarted group counting from zero again.
-            let grown = if count >= was { count - was } else { count };
-            if grown > 0 {
-                let counter = self.group_refusals.get_or_create(&vec![
-                    ("replica_id", replica_id.to_string()),
-                    ("reason", reason.as_str().into()),
-                ]);
-                // A garbled report of huge counts pins the counter, never wraps it.
-                counter.inc_by(grown.min(u64::MAX - counter.get()));
-            }
-        }
-        *before = counts;
     }
 
     /// In OpenMetrics' text format, with the per-group series of `snapshot`.
@@ -156,9 +117,16 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
     let step_rate = Family::<GroupLabels, FloatGauge>::default();
     let healing = Family::<GroupLabels, Gauge>::default();
     let heartbeat_age = Family::<GroupLabels, FloatGauge>::default();
+    let last_commit_age = Family::<GroupLabels, FloatGauge>::default();
     let losses = Family::<GroupLabels, Counter>::default();
     let returns = Family::<GroupLabels, Counter>::default();
+    let committed = Family::<GroupLabels, Counter>::default();
+    let failed = Family::<GroupLabels, Counter>::default();
+    let heals = Family::<GroupLabels, Counter>::default();
+    let healed_bytes = Family::<GroupLabels, Counter>::default();
+    let refused = Family::<GroupLabels, Counter>::default();
     let group = |id: &str| vec![("replica_id", id.to_string())];
+    let seconds = |ms: u64| ms as f64 / 1000.0;
     let mut histories = Vec::new();
     for r in &snapshot.replicas {
         live.get_or_create(&group(&r.replica_id)).set(1);
@@ -171,12 +139,15 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
             .set(r.healing.into());
         heartbeat_age
             .get_or_create(&group(&r.replica_id))
-            .set(r.heartbeat_age_ms as f64 / 1000.0);
-        histories.push((&r.replica_id, r.history));
+            .set(seconds(r.heartbeat_age_ms));
+        last_commit_age
+            .get_or_create(&group(&r.replica_id))
+            .set(seconds(r.last_commit_age_ms));
+        histories.push((&r.replica_id, &r.history));
     }
     for l in &snapshot.lost {
         live.get_or_create(&group(&l.replica_id)).set(0);
-        histories.push((&l.replica_id, l.history));
+        histories.push((&l.replica_id, &l.history));
     }
     for (id, history) in histories {
         for cause in Eviction::ALL {
@@ -187,7 +158,23 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
                 .inc_by(history.losses.of(cause));
         }
         returns.get_or_create(&group(id)).inc_by(history.returns);
+        let tally = &history.tally;
+        committed
+            .get_or_create(&group(id))
+            .inc_by(tally.steps_committed);
+        failed.get_or_create(&group(id)).inc_by(tally.steps_failed);
+        heals.get_or_create(&group(id)).inc_by(tally.heals);
+        healed_bytes
+            .get_or_create(&group(id))
+            .inc_by(tally.healed_bytes);
+        for (&reason, &count) in &tally.refused {
+            let mut labels = group(id);
+            labels.push(("reason", reason.to_string()));
+            refused.get_or_create(&labels).inc_by(count);
+        }
     }
+    let job_last_commit_age = FloatGauge::default();
+    job_last_commit_age.set(seconds(snapshot.last_commit_age_ms));
     let mut registry = Registry::with_prefix("phalanx_lighthouse");
     registry.register(
         "group_live",
@@ -225,6 +212,46 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
         "group_returns",
         "Times a replica group came back after it was declared dead (restarts)",
         returns,
+    );
+    registry.register(
+        "group_steps_committed",
+        "Steps a replica group's vote committed (kept while it is live or lost in the \
+         last minutes, across its restarts)",
+        committed,
+    );
+    registry.register(
+        "group_steps_failed",
+        "Steps a replica group did not commit: a rank voted no, its state was torn, or \
+         the lighthouse had gone on without it",
+        failed,
+    );
+    registry.register(
+        "group_heals",
+        "Quorums in which a replica group fetched the state it lacked from its peers",
+        heals,
+    );
+    registry.register_with_unit(
+        "group_healed",
+        "Tensor bytes a replica group's ranks fetched from their peers in heals",
+        Unit::Bytes,
+        healed_bytes,
+    );
+    registry.register(
+        "group_last_commit_age_seconds",
+        "Time since a live replica group last committed a step (or since it appeared)",
+        last_commit_age,
+    );
+    registry.register(
+        "group_refused_requests",
+        "Requests and connections refused by a replica group's manager server and state \
+         servers, by group and reason",
+        refused,
+    );
+    registry.register(
+        "last_commit_age_seconds",
+        "Time since any replica group last committed a step (or since the lighthouse \
+         started): the job's stall",
+        job_last_commit_age,
     );
     registry
 }
@@ -265,7 +292,10 @@ pub fn prometheus_text(openmetrics: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gate::Refusal;
     use crate::lighthouse::state::{History, Losses, LostSnapshot, ReplicaSnapshot};
+    use crate::lighthouse::tally::Tally;
+    use crate::proto::GroupTally;
 
     fn snapshot(replicas: Vec<ReplicaSnapshot>, lost: Vec<LostSnapshot>) -> Snapshot {
         Snapshot {
@@ -281,16 +311,26 @@ mod tests {
             heartbeat_timeout_ms: 2000,
             lost_kept_for_ms: 600_000,
             lost_kept: 32,
+            last_commit_age_ms: 250,
         }
     }
 
     fn history(stream_broken: u64, returns: u64) -> History {
+        let mut tally = Tally::default();
+        tally.report(GroupTally {
+            steps_committed: 40,
+            steps_failed: 2,
+            heals: 1,
+            healed_bytes: 4096,
+        });
+        tally.report_refused(vec![(Refusal::Token, 3)]);
         History {
             losses: Losses {
                 stream_broken,
                 heartbeat_timeout: 0,
             },
             returns,
+            tally,
         }
     }
 
@@ -305,6 +345,7 @@ mod tests {
             healing: true,
             step_rate: Some(2.5),
             heartbeat_age_ms: 120,
+            last_commit_age_ms: 1500,
             peer: "127.0.0.1:5000".into(),
             history: history(1, 1),
         };
@@ -328,16 +369,25 @@ mod tests {
             r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="stream_broken"} 2"#,
             r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="heartbeat_timeout"} 0"#,
             r#"phalanx_lighthouse_group_returns_total{replica_id="a"} 1"#,
+            r#"phalanx_lighthouse_group_steps_committed_total{replica_id="a"} 40"#,
+            r#"phalanx_lighthouse_group_steps_failed_total{replica_id="b"} 2"#,
+            r#"phalanx_lighthouse_group_heals_total{replica_id="a"} 1"#,
+            r#"phalanx_lighthouse_group_healed_bytes_total{replica_id="b"} 4096"#,
+            r#"phalanx_lighthouse_group_refused_requests_total{replica_id="a",reason="token"} 3"#,
+            r#"phalanx_lighthouse_group_last_commit_age_seconds{replica_id="a"} 1.5"#,
+            r#"phalanx_lighthouse_last_commit_age_seconds 0.25"#,
         ] {
             assert!(
                 text.contains(&format!("{sample}\n")),
                 "{sample} missing:\n{text}"
             );
         }
-        assert!(
-            !text.contains(r#"group_step{replica_id="b"}"#),
-            "a lost group has no step"
-        );
+        for live_only in ["group_step", "group_last_commit_age_seconds"] {
+            assert!(
+                !text.contains(&format!(r#"{live_only}{{replica_id="b"}}"#)),
+                "a lost group has no {live_only}"
+            );
+        }
         assert_eq!(text.matches("# EOF").count(), 1);
         assert!(text.ends_with("# EOF\n"));
     }

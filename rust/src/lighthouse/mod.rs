@@ -6,6 +6,7 @@ mod metrics;
 mod pulse;
 mod service;
 pub mod state;
+mod tally;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -34,6 +34,17 @@ fn unix_ms() -> i64 {
 }
 
 impl Shared {
+    /// What a beat reports besides being alive, if anything: only such a beat (one a
+    /// step or so) takes the state lock.
+    fn report(&self, replica_id: &str, beat: &proto::Beat) {
+        if beat.tally.is_none() && beat.refused.is_empty() {
+            return;
+        }
+        let refused = (!beat.refused.is_empty()).then(|| gate::counts_from_wire(&beat.refused));
+        self.lock()
+            .report(replica_id, beat.tally, refused, Instant::now());
+    }
+
     pub(crate) fn new(state: LighthouseState) -> Arc<Self> {
         Arc::new(Shared {
             state: Mutex::new(state),
@@ -266,10 +277,7 @@ impl Lighthouse for LighthouseService {
             None => false,
         };
         acknowledge(first.seq, pulse.lease_quorum());
-        if !first.refused.is_empty() {
-            let counts = gate::counts_from_wire(&first.refused);
-            self.shared.metrics.group_refused(&first.replica_id, counts);
-        }
+        self.shared.report(&first.replica_id, &first);
 
         let shared = self.shared.clone();
         let replica_id = first.replica_id.clone();
@@ -290,10 +298,7 @@ impl Lighthouse for LighthouseService {
                         if !acknowledge(beat.seq, pulse.lease_quorum()) {
                             return;
                         }
-                        if !beat.refused.is_empty() {
-                            let counts = gate::counts_from_wire(&beat.refused);
-                            shared.metrics.group_refused(&replica_id, counts);
-                        }
+                        shared.report(&replica_id, &beat);
                     }
                     Ok(None) | Err(_) => {
                         let mut st = shared.lock();

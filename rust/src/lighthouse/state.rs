@@ -16,6 +16,8 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use super::pulse::Pulse;
+use super::tally::Tally;
+use crate::gate::RefusalCounts;
 use crate::proto;
 use crate::quorum::{
     self, Decision, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId, WaitReason,
@@ -86,12 +88,14 @@ impl Losses {
 /// What the lighthouse remembers of a replica id across its deaths. It travels with the
 /// group, live or recently lost, and is forgotten with it: a group that comes back
 /// after `LOST_KEPT_FOR` starts from zero, as a new one.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct History {
     pub losses: Losses,
     /// Times it came back (the same replica id heartbeating or asking for a quorum
     /// again) after being declared dead: restarts, or a hung group waking up.
     pub returns: u64,
+    #[serde(flatten)]
+    pub tally: Tally,
 }
 
 /// The steps a group reported, sampled by the deadline task: beats bypass the lock, so
@@ -150,6 +154,8 @@ struct Replica {
     stream: Option<HeartbeatStream>,
     history: History,
     steps: StepSamples,
+    /// When it last committed a step, or when it appeared.
+    last_commit: Instant,
 }
 
 /// A group declared dead, kept for the status page (see `LOST_KEPT_FOR`).
@@ -195,6 +201,8 @@ pub struct LighthouseState {
     waiting: (WaitReason, Option<Instant>),
     /// Groups declared dead recently, oldest first.
     lost: VecDeque<Lost>,
+    /// When some group last committed a step, or when the lighthouse started.
+    last_commit: Instant,
     /// When the background task is set to wake; lets handlers wake it only when an
     /// earlier deadline appears.
     pub(crate) ticker_deadline: Option<Instant>,
@@ -224,6 +232,7 @@ impl LiveSet for Fresh<'_> {
 
 impl LighthouseState {
     pub fn new(config: QuorumConfig, heartbeat_timeout: Duration) -> Self {
+        let epoch = Instant::now();
         LighthouseState {
             config,
             heartbeat_timeout,
@@ -233,11 +242,12 @@ impl LighthouseState {
             previous: None,
             previous_at: None,
             heard: Arc::new(AtomicU64::new(0)),
-            epoch: Instant::now(),
+            epoch,
             quorums_issued: 0,
             next_ticket: 0,
             waiting: (WaitReason::NoJoiners, None),
             lost: VecDeque::new(),
+            last_commit: epoch,
             ticker_deadline: None,
         }
     }
@@ -325,6 +335,7 @@ impl LighthouseState {
                         stream: None,
                         history,
                         steps: StepSamples::default(),
+                        last_commit: now,
                     },
                 );
             }
@@ -339,6 +350,27 @@ impl LighthouseState {
         let mut history = self.lost.remove(at).map(|l| l.history).unwrap_or_default();
         history.returns += 1;
         history
+    }
+
+    /// A live group reported what it did: its totals (steps, heals) and its refusals
+    /// so far, each when they changed.
+    pub fn report(
+        &mut self,
+        replica_id: &str,
+        totals: Option<proto::GroupTally>,
+        refused: Option<RefusalCounts>,
+        now: Instant,
+    ) {
+        let Some(r) = self.replicas.get_mut(replica_id) else {
+            return;
+        };
+        if let Some(refused) = refused {
+            r.history.tally.report_refused(refused);
+        }
+        if totals.is_some_and(|t| r.history.tally.report(t)) {
+            r.last_commit = now;
+            self.last_commit = now;
+        }
     }
 
     /// The heartbeat stream of `replica_id`, if it beat within the heartbeat timeout.
@@ -385,13 +417,13 @@ impl LighthouseState {
         // requests keeps the quorum it is a member of.
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
-        let (history, steps) = match self.replicas.remove(id) {
+        let (history, steps, last_commit) = match self.replicas.remove(id) {
             Some(known) => {
                 pulse.set_lease_quorum(known.pulse.lease_quorum());
                 known.pulse.retire();
-                (known.history, known.steps)
+                (known.history, known.steps, known.last_commit)
             }
-            None => (self.returned(id), StepSamples::default()),
+            None => (self.returned(id), StepSamples::default(), now),
         };
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
@@ -407,6 +439,7 @@ impl LighthouseState {
                 }),
                 history,
                 steps,
+                last_commit,
             },
         );
         Ok((stream_id, pulse))
@@ -698,7 +731,7 @@ impl LighthouseState {
                 step: l.step,
                 was_member: l.was_member,
                 peer: l.peer.clone(),
-                history: l.history,
+                history: l.history.clone(),
             })
             .collect();
         Snapshot {
@@ -722,6 +755,7 @@ impl LighthouseState {
             heartbeat_timeout_ms: self.heartbeat_timeout.as_millis() as u64,
             lost_kept_for_ms: LOST_KEPT_FOR.as_millis() as u64,
             lost_kept: LOST_KEPT as u32,
+            last_commit_age_ms: ms_since(self.last_commit, now),
         }
     }
 
@@ -748,15 +782,20 @@ impl LighthouseState {
             step_rate: stepping(self.previous.as_ref(), id, step, max_step)
                 .then(|| r.steps.rate((last_beat, step), now))
                 .flatten(),
-            heartbeat_age_ms: now.saturating_duration_since(last_beat).as_millis() as u64,
+            heartbeat_age_ms: ms_since(last_beat, now),
+            last_commit_age_ms: ms_since(r.last_commit, now),
             peer: r
                 .stream
                 .as_ref()
                 .map(|s| s.peer.clone())
                 .unwrap_or_default(),
-            history: r.history,
+            history: r.history.clone(),
         }
     }
+}
+
+fn ms_since(then: Instant, now: Instant) -> u64 {
+    now.saturating_duration_since(then).as_millis() as u64
 }
 
 /// Whether a group trains, as far as its steps tell: a member of the current quorum at
@@ -786,6 +825,8 @@ pub struct Snapshot {
     /// How long, and how many, lost groups are kept.
     pub lost_kept_for_ms: u64,
     pub lost_kept: u32,
+    /// Since some group last committed a step (or since the lighthouse started).
+    pub last_commit_age_ms: u64,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -802,6 +843,8 @@ pub struct ReplicaSnapshot {
     /// quorum and not healing; none until measured.
     pub step_rate: Option<f64>,
     pub heartbeat_age_ms: u64,
+    /// Since it last committed a step (or since it appeared).
+    pub last_commit_age_ms: u64,
     pub peer: String,
     #[serde(flatten)]
     pub history: History,
@@ -1004,6 +1047,47 @@ mod tests {
         let (tx, _rx) = oneshot::channel();
         s.join(quorum::Member { step, ..member(id) }, 0, now, tx)
             .unwrap();
+    }
+
+    #[test]
+    fn a_groups_commits_are_counted_across_its_restart_and_date_its_last_commit() {
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        let mut s = state();
+        let ((a_stream, _), _ea) = open(&mut s, "a", t);
+        let _b = open(&mut s, "b", t);
+        let totals = |committed, heals| proto::GroupTally {
+            steps_committed: committed,
+            heals,
+            ..Default::default()
+        };
+        s.report("a", Some(totals(3, 0)), None, t + ms(100));
+        s.report("a", Some(totals(3, 0)), None, t + ms(900));
+        let snap = s.snapshot(t + ms(1000));
+        let age = |id: &str| {
+            let r = snap.replicas.iter().find(|r| r.replica_id == id).unwrap();
+            (r.last_commit_age_ms, r.history.tally.steps_committed)
+        };
+        assert_eq!(
+            age("a"),
+            (900, 3),
+            "a beat with no new commit dates nothing"
+        );
+        assert_eq!(age("b"), (1000, 0), "counted from when it appeared");
+        assert_eq!(snap.last_commit_age_ms, 900);
+
+        // Restarted: its manager server counts from zero; the lighthouse goes on.
+        s.close_stream("a", a_stream, t + ms(1100));
+        let _a = open(&mut s, "a", t + ms(1500));
+        s.report("a", Some(totals(0, 0)), None, t + ms(1500));
+        s.report("a", Some(totals(2, 1)), None, t + ms(1600));
+        let snap = s.snapshot(t + ms(1600));
+        let a = snap.replicas.iter().find(|r| r.replica_id == "a").unwrap();
+        assert_eq!(
+            (a.history.tally.steps_committed, a.history.tally.heals),
+            (5, 1)
+        );
+        assert_eq!(a.last_commit_age_ms, 0);
     }
 
     #[test]

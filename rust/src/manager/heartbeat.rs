@@ -102,6 +102,8 @@ pub struct Heartbeat {
     /// The lease of the last acknowledged beat; None while no stream is open.
     pub lease: watch::Sender<Option<Lease>>,
     pub refusals: Arc<GroupRefusals>,
+    /// The group's steps and heals so far.
+    pub tally: Arc<dyn Fn() -> proto::GroupTally + Send + Sync>,
 }
 
 impl Heartbeat {
@@ -171,11 +173,13 @@ impl Heartbeat {
         (beats_rx, sender)
     }
 
-    /// Makes the beats of one stream: refusal counts ride on a beat when they changed
-    /// (and on a stream's first).
+    /// Makes the beats of one stream: refusal counts and the tally ride on a beat when
+    /// they changed (and on a stream's first).
     fn beat_maker(&self) -> impl FnMut(Progress, u64) -> proto::Beat + Send + 'static {
         let refusals = self.refusals.clone();
         let mut reported = RefusalCounts::new();
+        let tally = self.tally.clone();
+        let mut tallied = None;
         move |p: Progress, seq: u64| {
             let totals = refusals.totals();
             let refused = if totals == reported {
@@ -184,6 +188,11 @@ impl Heartbeat {
                 reported = totals;
                 gate::counts_to_wire(&reported)
             };
+            let now = tally();
+            let tally = (tallied.as_ref() != Some(&now)).then(|| {
+                tallied = Some(now);
+                now
+            });
             proto::Beat {
                 protocol_version: PROTOCOL_VERSION,
                 replica_id: String::new(),
@@ -192,6 +201,7 @@ impl Heartbeat {
                 step: p.step,
                 seq,
                 refused,
+                tally,
             }
         }
     }

@@ -126,6 +126,10 @@ struct Group {
     last_quorum_id: u64,
     commit_failures: u32,
     quorum: Option<StepQuorum>,
+    /// What the heartbeat reports to the lighthouse's per-group counters.
+    tally: proto::GroupTally,
+    /// Each rank's heal bytes so far, as it last reported them.
+    healed_bytes: BTreeMap<u32, u64>,
 }
 
 impl Group {
@@ -140,14 +144,26 @@ impl Group {
                 let _ = waiter.send(decision);
             }
         }
-        if !decision.commit {
+        if decision.commit {
+            self.tally.steps_committed += 1;
+        } else {
             self.commit_failures = self.commit_failures.saturating_add(1);
+            self.tally.steps_failed += 1;
         }
         self.decided.push_back((step, decision));
         if self.decided.len() > DECISIONS_KEPT {
             self.decided.pop_front();
         }
         decision
+    }
+
+    /// Rank `rank` has fetched `bytes` in heals so far.
+    fn healed(&mut self, rank: u32, bytes: u64) {
+        self.healed_bytes.insert(rank, bytes);
+        self.tally.healed_bytes = self
+            .healed_bytes
+            .values()
+            .fold(0, |sum, b| sum.saturating_add(*b));
     }
 
     fn decided(&self, step: i64) -> Option<Decision> {
@@ -306,13 +322,23 @@ impl Shared {
             p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
             p.step = gathering.step;
         });
-        for (rank, r) in gathering.ranks {
-            let plan = plan::rank_plan(
-                &quorum,
-                &self.options.replica_id,
-                rank,
-                self.options.init_sync,
-            );
+        let plans: Vec<_> = gathering
+            .ranks
+            .into_iter()
+            .map(|(rank, r)| {
+                let plan = plan::rank_plan(
+                    &quorum,
+                    &self.options.replica_id,
+                    rank,
+                    self.options.init_sync,
+                );
+                (r, plan)
+            })
+            .collect();
+        if plans.iter().any(|(_, p)| p.as_ref().is_ok_and(|p| p.heal)) {
+            self.lock().tally.heals += 1;
+        }
+        for (r, plan) in plans {
             let _ = r.reply.send(plan);
         }
     }
@@ -369,6 +395,7 @@ impl Manager for ManagerService {
         shared
             .refusals
             .report(req.group_rank, gate::counts_from_wire(&req.state_refused));
+        shared.lock().healed(req.group_rank, req.healed_bytes);
 
         let (reply, answer) = oneshot::channel();
         let complete = {
@@ -629,6 +656,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         store: store.clone(),
         store_address,
     });
+    let group = Arc::downgrade(&shared);
     let (shutdown, mut stopping) = watch::channel(false);
     let grpc = ManagerServer::new(ManagerService {
         shared,
@@ -651,6 +679,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events,
         lease,
         refusals: refusals.clone(),
+        tally: Arc::new(move || group.upgrade().map(|s| s.lock().tally).unwrap_or_default()),
     }
     .run();
     // A stopping server closes its heartbeat stream at once, so that the lighthouse

@@ -132,7 +132,7 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
@@ -145,6 +145,7 @@ impl ManagerClient {
         state_quorum_id: u64,
         torn: bool,
         state_refused: Option<HashMap<String, u64>>,
+        healed_bytes: u64,
     ) -> PyResult<QuorumResult> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
@@ -159,6 +160,7 @@ impl ManagerClient {
                 .into_iter()
                 .map(|(reason, count)| proto::RefusalCount { reason, count })
                 .collect(),
+            healed_bytes,
             ..Default::default()
         };
         let client = self.inner.clone();
