@@ -181,6 +181,12 @@ impl GroupState {
         Ok(self.gathering.take())
     }
 
+    /// The step the ranks are gathering for and the ranks that asked so far.
+    pub fn asking(&self) -> Option<(i64, Vec<u32>)> {
+        let g = self.gathering.as_ref()?;
+        Some((g.step, g.ranks.keys().copied().collect()))
+    }
+
     /// Rank `rank` gave up waiting for the quorum of `step` after `timeout`: it leaves
     /// the gathering, and the error says who it waited for.
     pub fn give_up_quorum(&mut self, rank: u32, step: i64, timeout: Duration) -> Status {

@@ -352,6 +352,15 @@ pub struct ManagerHandle {
     pub address: String,
     /// Requests and connections turned away, by reason.
     pub refusals: Arc<GroupRefusals>,
+    shared: Arc<Shared>,
+}
+
+impl ManagerHandle {
+    /// The step the group's ranks are gathering for and the ranks that asked so far;
+    /// None when no rank waits for a quorum.
+    pub fn asking(&self) -> Option<(i64, Vec<u32>)> {
+        self.shared.lock().asking()
+    }
 }
 
 /// Starts a group's manager server on the current tokio runtime.
@@ -372,11 +381,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         more.extend(server::bind_also(bound, host).await?);
     }
     let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
-    let limits = StoreLimits::default();
-    let store = SharedStore::new(limits);
-    store
-        .update(|s| s.set(REPLICA_ID_KEY, options.replica_id.clone().into()))
-        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    let store = group_store(&options.replica_id)?;
     let store_address = if options.store_address.is_empty() {
         manager_address.clone()
     } else {
@@ -394,20 +399,11 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events: events.clone(),
         lease: lease_rx,
         refusals: refusals.clone(),
-        store: store.clone(),
+        store,
         store_address,
     });
-    let (shutdown, mut stopping) = watch::channel(false);
-    let grpc = ManagerServer::new(ManagerService {
-        shared,
-        shutdown: stopping.clone(),
-    })
-    .max_decoding_message_size(MAX_REQUEST_BYTES);
-    let grpc = InterceptedService::new(grpc, options.token.clone());
-    let store = StoreServer::new(StoreService::new(store))
-        .max_decoding_message_size(max_request_bytes(&limits));
-    let store = InterceptedService::new(store, options.token.clone());
-    let routes = Routes::new(grpc).add_service(store);
+    let (shutdown, stopping) = watch::channel(false);
+    let routes = routes(shared.clone(), stopping.clone());
     let door = Door::new(options.connections, refusals.own.clone());
     let mut handle = server::spawn(listener, more, routes, shutdown, door);
     let heartbeat = Heartbeat {
@@ -419,16 +415,8 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events,
         lease,
         refusals: refusals.clone(),
-    }
-    .run();
-    // A stopping server closes its heartbeat stream at once, so that the lighthouse
-    // and the other groups learn now, not after the shutdown grace.
-    handle.add_task(tokio::spawn(async move {
-        tokio::select! {
-            _ = heartbeat => {}
-            _ = stopping.wait_for(|s| *s) => {}
-        }
-    }));
+    };
+    handle.add_task(tokio::spawn(beat_until_stopped(heartbeat, stopping)));
     tracing::info!(
         replica_id = options.replica_id,
         address = manager_address,
@@ -438,5 +426,40 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         server: handle,
         address: manager_address,
         refusals,
+        shared,
     })
+}
+
+/// The group's rendezvous store, holding the key that names the group.
+fn group_store(replica_id: &str) -> Result<SharedStore, Error> {
+    let store = SharedStore::new(StoreLimits::default());
+    store
+        .update(|s| s.set(REPLICA_ID_KEY, replica_id.to_string().into()))
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    Ok(store)
+}
+
+/// The manager's gRPC service and the group's store, both behind the job token.
+fn routes(shared: Arc<Shared>, stopping: watch::Receiver<bool>) -> Routes {
+    let token = shared.options.token.clone();
+    let store = shared.store.clone();
+    let grpc = ManagerServer::new(ManagerService {
+        shared,
+        shutdown: stopping,
+    })
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, token.clone());
+    let store = StoreServer::new(StoreService::new(store))
+        .max_decoding_message_size(max_request_bytes(&StoreLimits::default()));
+    let store = InterceptedService::new(store, token);
+    Routes::new(grpc).add_service(store)
+}
+
+/// A stopping server closes its heartbeat stream at once, so that the lighthouse
+/// and the other groups learn now, not after the shutdown grace.
+async fn beat_until_stopped(heartbeat: Heartbeat, mut stopping: watch::Receiver<bool>) {
+    tokio::select! {
+        _ = heartbeat.run() => {}
+        _ = stopping.wait_for(|s| *s) => {}
+    }
 }
