@@ -134,6 +134,15 @@ async fn every_byte_arrives_striped_over_all_sources() {
     }
 }
 
+/// Waits until `server` has sent its first chunk bytes: a heal is under way.
+async fn sending(server: &StateServer) {
+    let started = Instant::now();
+    while server.served_bytes() == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "no bytes sent");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
     let source = state(&[8 * MIB, 8 * MIB, 8 * MIB]);
@@ -150,7 +159,7 @@ async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
     let sources = addresses(&servers);
     let mut healed = zeroed_like(&source);
     let (stats, ()) = tokio::join!(fetch(&sources, &mut healed, options()), async {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        sending(&servers[1]).await;
         // A dying process: its sockets close with its sends half done.
         servers[1].shutdown().await.unwrap();
     });
@@ -328,7 +337,7 @@ async fn withdraw_lets_sends_finish_then_cuts_them() {
     let sources = vec![server.address().to_string()];
     let mut healed = zeroed_like(&source);
     let (fetched, withdrawn) = tokio::join!(fetch(&sources, &mut healed, options()), async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        sending(&server).await;
         let started = Instant::now();
         let cut = server.withdraw(Duration::from_millis(100)).await;
         (cut, started.elapsed())
