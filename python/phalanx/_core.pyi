@@ -155,6 +155,25 @@ class LighthouseStatus:
     @property
     def heartbeat_timeout_ms(self) -> int: ...
 
+LIGHTHOUSE_DEFAULTS: dict[str, float]
+"""The lighthouse's defaults, as `phalanx lighthouse` and `LighthouseServer` apply them
+(timeouts in seconds).
+
+>>> LIGHTHOUSE_DEFAULTS["join_timeout"], LIGHTHOUSE_DEFAULTS["heartbeat_timeout"]
+(1.0, 2.0)
+"""
+
+def parse_duration(text: str) -> float:
+    """Seconds from "15s", "500ms", "2m" or a plain number, as the lighthouse's command
+    line reads them.
+
+    >>> parse_duration("250ms"), parse_duration("1.5"), parse_duration("2m")
+    (0.25, 1.5, 120.0)
+    >>> parse_duration("soon")
+    Traceback (most recent call last):
+    ValueError: "soon" is not a duration; write e.g. 1s, 250ms or 2m
+    """
+
 class LighthouseServer:
     """The lighthouse of a job, served from this process (gRPC and HTTP on one port).
 
@@ -169,14 +188,15 @@ class LighthouseServer:
     def __init__(
         self,
         bind: str = "127.0.0.1:0",
-        min_replicas: int = 1,
-        join_timeout: float = 1.0,
-        heartbeat_timeout: float = 2.0,
+        min_replicas: int | None = None,
+        join_timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
         token: str | None = None,
         insecure: bool = False,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
-        wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`."""
+        wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
+        Options left None take the lighthouse's defaults, `LIGHTHOUSE_DEFAULTS`."""
     @property
     def address(self) -> str:
         """host:port for clients."""
