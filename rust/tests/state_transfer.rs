@@ -10,8 +10,9 @@ use phalanx::auth::JobToken;
 use phalanx::gate::GateLimits;
 use phalanx::state::{
     fetch_manifest, fetch_state, Corruption, DestRegion, FetchOptions, FetchStats, ServerOptions,
-    SourceRegion, StateError, StateErrorKind, StateServer,
+    SourceRegion, StateServer,
 };
+use phalanx::{Error, ErrorKind};
 
 const STEP: i64 = 42;
 const QUORUM: u64 = 7;
@@ -79,7 +80,7 @@ async fn fetch(
     sources: &[String],
     buffers: &mut [Vec<u8>],
     options: FetchOptions,
-) -> Result<FetchStats, StateError> {
+) -> Result<FetchStats, Error> {
     fetch_state(
         sources,
         STEP,
@@ -215,8 +216,8 @@ async fn damage_on_every_try_fails_the_heal_with_the_cause() {
     let err = fetch(&[server.address().to_string()], &mut healed, options())
         .await
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Connection);
-    assert!(err.message.contains("arrived damaged 5 times"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::Connection);
+    assert!(err.message().contains("arrived damaged 5 times"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -234,8 +235,8 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     let mut healed = zeroed_like(&source);
 
     let err = fetch(&sources, &mut healed, options()).await.unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
-    assert!(err.message.contains("job token"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
+    assert!(err.message().contains("job token"), "{err}");
     let err = fetch_manifest(
         &sources,
         STEP,
@@ -245,7 +246,7 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     )
     .await
     .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
 
     let token = JobToken::new(Some("s3cret".into()));
     let with_token = || FetchOptions {
@@ -265,8 +266,11 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
         )
         .await
         .unwrap_err();
-        assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
-        assert!(err.message.contains("serves step 42 of quorum 7"), "{err}");
+        assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
+        assert!(
+            err.message().contains("serves step 42 of quorum 7"),
+            "{err}"
+        );
         assert!(started.elapsed() < Duration::from_secs(1));
     }
     // A step the source has not reached: waited for, up to the deadline.
@@ -284,9 +288,9 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     )
     .await
     .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Timeout, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert!(
-        err.message.contains("still serves step 42 of quorum 7"),
+        err.message().contains("still serves step 42 of quorum 7"),
         "{err}"
     );
     assert!(started.elapsed() < Duration::from_secs(2));
@@ -350,7 +354,7 @@ async fn withdraw_lets_sends_finish_then_cuts_them() {
     assert!(took < Duration::from_millis(1500), "withdraw took {took:?}");
     assert_eq!(server.serving(), None);
     let err = fetched.unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Connection, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
     // Nothing in flight: a withdraw returns at once.
     let lent = vec![unsafe { SourceRegion::new(source[0].as_ptr() as usize, 16) }];
     server.publish(STEP + 1, QUORUM, vec![], lent).unwrap();
@@ -364,8 +368,8 @@ async fn publishing_over_an_open_window_is_refused() {
     let err = server
         .publish(STEP + 1, QUORUM, vec![], vec![])
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::InvalidInput);
-    assert!(err.message.contains("withdraw() it before"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert!(err.message().contains("withdraw() it before"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -395,7 +399,7 @@ async fn a_silent_source_cannot_hang_a_heal() {
         "{:?}",
         started.elapsed()
     );
-    assert!(err.message.contains("sent nothing for"), "{err}");
+    assert!(err.message().contains("sent nothing for"), "{err}");
 
     let both = vec![silent_address.clone(), good.address().to_string()];
     let stats = fetch(&both, &mut healed, stalling).await.unwrap();
@@ -421,8 +425,8 @@ async fn a_destination_of_another_shape_is_refused_before_any_byte_moves() {
     let err = fetch(&[server.address().to_string()], &mut healed, options())
         .await
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::InvalidInput, "{err}");
-    assert!(err.message.contains("region 1 has 2000 bytes"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.message().contains("region 1 has 2000 bytes"), "{err}");
     assert!(healed.iter().all(|r| r.iter().all(|&b| b == 0)));
 }
 
@@ -461,7 +465,7 @@ async fn a_heal_completes_beside_a_flood_of_idle_connections_and_refusals_are_co
     };
     let mut healed = zeroed_like(&source);
     let refused = fetch(&sources, &mut healed, wrong).await.unwrap_err();
-    assert_eq!(refused.kind, StateErrorKind::Refused, "{refused}");
+    assert_eq!(refused.kind(), ErrorKind::Permission, "{refused}");
     let honest = FetchOptions { token, ..options() };
     fetch(&sources, &mut healed, honest)
         .await

@@ -29,19 +29,17 @@ mod store;
 mod token;
 mod types;
 
-/// The Python exception for an error of the core.
-fn exception(kind: ErrorKind, message: String) -> PyErr {
-    match kind {
+/// The Python exception for an error of the core: one mapping for every call,
+/// transfers included.
+fn to_py(e: crate::Error) -> PyErr {
+    let message = e.message();
+    match e.kind() {
         ErrorKind::Timeout => PyTimeoutError::new_err(message),
         ErrorKind::Connection => PyConnectionError::new_err(message),
         ErrorKind::Permission => PyPermissionError::new_err(message),
         ErrorKind::InvalidInput => PyValueError::new_err(message),
         ErrorKind::Other => PyRuntimeError::new_err(message),
     }
-}
-
-fn to_py(e: crate::Error) -> PyErr {
-    exception(e.kind(), e.message())
 }
 
 /// A count or id from Python, checked into the unsigned type the core uses.

@@ -13,8 +13,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tokio::sync::oneshot;
 
-use super::runtime::{state_to_py, wait_transfer, OnInterrupt};
-use super::{seconds_or_zero, unsigned};
+use super::runtime::{wait_transfer, OnInterrupt};
+use super::{seconds_or_zero, to_py, unsigned};
 use crate::auth::JobToken;
 use crate::state::{self, Corruption, DestRegion, FetchOptions, ServerOptions, SourceRegion};
 
@@ -104,7 +104,7 @@ impl StateServer {
             .collect();
         self.server()?
             .publish(step, quorum_id, manifest.to_vec(), regions)
-            .map_err(state_to_py)
+            .map_err(to_py)
     }
 
     /// Closes the window; waits up to `timeout` s for sends in flight, then cuts

@@ -20,11 +20,11 @@ use super::wire::{
     encode_layout, encode_response, Checksum, Request, RequestHead, RequestKind, ResponseHeader,
     Status, WireError, MAX_CHUNK_LEN, REQUEST_HEADER_LEN,
 };
-use super::StateError;
 use crate::auth::JobToken;
 use crate::door::{self, Door, Guarded};
 use crate::gate::{GateLimits, Refusal, Refusals};
 use crate::server::advertised_address;
+use crate::Error;
 
 /// Bytes written and then checksummed per step: small enough to still be in L2 when
 /// the checksum pass follows the kernel's copy into the socket.
@@ -233,17 +233,17 @@ pub struct StateServer {
 
 impl StateServer {
     /// Binds and starts serving; nothing is published yet.
-    pub async fn bind(options: ServerOptions) -> Result<Self, StateError> {
+    pub async fn bind(options: ServerOptions) -> Result<Self, Error> {
         if let Some(rate) = options.max_bytes_per_s {
             if !rate.is_finite() || rate <= 0.0 {
-                return Err(StateError::invalid(format!(
+                return Err(Error::invalid(format!(
                     "max_bytes_per_s must be a positive number of bytes per second, got {rate}"
                 )));
             }
         }
         let (listener, local_addr) = crate::server::bind(&options.bind)
             .await
-            .map_err(|e| StateError::connection(e.to_string()))?;
+            .map_err(|e| Error::connection(e.to_string()))?;
         let address = advertised_address(local_addr, options.advertise_host.as_deref());
         let refusals = Refusals::default();
         let shared = Arc::new(Shared {
@@ -305,21 +305,21 @@ impl StateServer {
         quorum_id: u64,
         manifest: Vec<u8>,
         regions: Vec<SourceRegion>,
-    ) -> Result<(), StateError> {
+    ) -> Result<(), Error> {
         if step < 0 {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "step must be 0 or more, got {step}"
             )));
         }
         if u32::try_from(regions.len()).is_err() {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "{} regions are more than the wire can name (2^32)",
                 regions.len()
             )));
         }
         let mut slot = self.shared.window();
         if let Some(open) = &*slot {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "the state of step {} (quorum {}) is still published; withdraw() it before \
                  publishing step {step} (quorum {quorum_id})",
                 open.step, open.quorum_id
@@ -340,7 +340,7 @@ impl StateServer {
     /// Closes the window: new requests are refused at once; sends in flight get
     /// `grace` to finish and are cut after it. Returns how many sends were cut. When
     /// it returns Ok, nothing reads the published memory any more.
-    pub async fn withdraw(&self, grace: Duration) -> Result<usize, StateError> {
+    pub async fn withdraw(&self, grace: Duration) -> Result<usize, Error> {
         let Some(window) = self.shared.window().take() else {
             return Ok(0);
         };
@@ -352,7 +352,7 @@ impl StateServer {
         if self.shared.wait_unread(&window, CUT_GRACE).await {
             return Ok(cut);
         }
-        Err(StateError::timeout(format!(
+        Err(Error::timeout(format!(
             "sends of step {} did not stop within {CUT_GRACE:?} of being cut; the runtime is \
              starved — do not change or free the published tensors yet, call withdraw again",
             window.step
@@ -360,7 +360,7 @@ impl StateServer {
     }
 
     /// Stops accepting, cuts every send and closes the window.
-    pub async fn shutdown(&self) -> Result<(), StateError> {
+    pub async fn shutdown(&self) -> Result<(), Error> {
         let _ = self.shutdown.send(true);
         self.withdraw(Duration::ZERO).await.map(|_| ())
     }
