@@ -179,17 +179,11 @@ async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_chunk_is_caught_and_fetched_again() {
     let source = state(&[3 * MIB + 17, 100]);
-    let server = serve(
-        &source,
-        ServerOptions {
-            test_corruption: Some(Corruption {
-                chunks: 3,
-                byte: 777_777,
-            }),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let server = serve(&source, ServerOptions::default()).await;
+    server.damage_next_chunks(Corruption {
+        chunks: 3,
+        byte: 777_777,
+    });
     let mut healed = zeroed_like(&source);
     let stats = fetch(&[server.address().to_string()], &mut healed, options())
         .await
@@ -201,17 +195,11 @@ async fn a_damaged_chunk_is_caught_and_fetched_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damage_on_every_try_fails_the_heal_with_the_cause() {
     let source = state(&[1000]);
-    let server = serve(
-        &source,
-        ServerOptions {
-            test_corruption: Some(Corruption {
-                chunks: u64::MAX,
-                byte: 0,
-            }),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let server = serve(&source, ServerOptions::default()).await;
+    server.damage_next_chunks(Corruption {
+        chunks: u64::MAX,
+        byte: 0,
+    });
     let mut healed = zeroed_like(&source);
     let err = fetch(&[server.address().to_string()], &mut healed, options())
         .await

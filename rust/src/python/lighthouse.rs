@@ -8,7 +8,7 @@ use pyo3::types::PyDict;
 
 use super::runtime::{control, wait};
 use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
-use super::{seconds, stop, to_py, unsigned};
+use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::client;
@@ -18,7 +18,7 @@ use crate::proto;
 use crate::server::ServerHandle;
 
 /// The lighthouse of a job, running in this process.
-#[pyclass(module = "phalanx._core", frozen)]
+#[pyclass(module = "phalanx._core", frozen, extends = Server)]
 pub struct LighthouseServer {
     handle: Mutex<Option<ServerHandle>>,
     #[pyo3(get)]
@@ -38,7 +38,7 @@ impl LighthouseServer {
         heartbeat_timeout: Option<f64>,
         token: Option<String>,
         insecure: bool,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
         let options = LighthouseOptions {
             bind: bind.to_string(),
@@ -56,10 +56,11 @@ impl LighthouseServer {
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
         let address = crate::server::advertised_address(addr, None);
-        Ok(LighthouseServer {
+        let server = LighthouseServer {
             handle: Mutex::new(Some(handle)),
             address,
-        })
+        };
+        Ok(Server::init(server))
     }
 
     /// The status page, for a browser.
@@ -71,20 +72,6 @@ impl LighthouseServer {
     /// Stops serving; open calls get a short grace. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         stop(py, &self.handle)
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _exc: Bound<'_, PyAny>,
-        _v: Bound<'_, PyAny>,
-        _tb: Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        self.shutdown(py).map(|()| false)
     }
 }
 

@@ -77,8 +77,6 @@ pub struct ServerOptions {
     /// Cap on the bytes per second sent over all connections (None: no cap), so a heal
     /// does not starve the training collectives on a shared link.
     pub max_bytes_per_s: Option<f64>,
-    /// Test only: damage bytes of served chunks on the wire, as a bad link would.
-    pub test_corruption: Option<Corruption>,
     /// Caps on connections (see `gate`).
     pub connections: GateLimits,
 }
@@ -90,7 +88,6 @@ impl Default for ServerOptions {
             advertise_host: None,
             token: JobToken::default(),
             max_bytes_per_s: None,
-            test_corruption: None,
             connections: GateLimits::STATE,
         }
     }
@@ -122,7 +119,8 @@ struct Shared {
     /// Woken whenever a send lets go of a window.
     released: Notify,
     pacer: Option<Pacer>,
-    corruption: Option<CorruptionHook>,
+    /// Test only (see `damage_next_chunks`); idle unless a test arms it.
+    corruption: CorruptionHook,
     served_bytes: AtomicU64,
 }
 
@@ -205,21 +203,27 @@ impl Pacer {
     }
 }
 
+#[derive(Default)]
 struct CorruptionHook {
     remaining: AtomicU64,
-    byte: u64,
+    byte: AtomicU64,
 }
 
 impl CorruptionHook {
+    fn arm(&self, corruption: Corruption) {
+        self.byte.store(corruption.byte, Ordering::Relaxed);
+        self.remaining.store(corruption.chunks, Ordering::Release);
+    }
+
     /// Where to damage the next chunk of `len` bytes, if it is to be damaged.
     fn next(&self, len: u64) -> Option<usize> {
         if len == 0 {
             return None;
         }
         self.remaining
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
             .ok()
-            .map(|_| (self.byte % len) as usize)
+            .map(|_| (self.byte.load(Ordering::Relaxed) % len) as usize)
     }
 }
 
@@ -255,10 +259,7 @@ impl StateServer {
                 bytes_per_s,
                 next: Mutex::new(Instant::now()),
             }),
-            corruption: options.test_corruption.map(|c| CorruptionHook {
-                remaining: AtomicU64::new(c.chunks),
-                byte: c.byte,
-            }),
+            corruption: CorruptionHook::default(),
             served_bytes: AtomicU64::new(0),
         });
         let (shutdown, stop) = watch::channel(false);
@@ -285,6 +286,11 @@ impl StateServer {
     /// Requests and connections turned away, by reason.
     pub fn refusals(&self) -> &Refusals {
         &self.shared.refusals
+    }
+
+    /// Test only: damages the next chunks sent, as a bad link would (see `Corruption`).
+    pub fn damage_next_chunks(&self, corruption: Corruption) {
+        self.shared.corruption.arm(corruption);
     }
 
     /// Chunk bytes sent so far, over all windows.
@@ -557,10 +563,7 @@ async fn send_chunk(
             quorum_id: window.quorum_id,
         };
         stream.write_all(&header.encode()).await?;
-        let damage_at = shared
-            .corruption
-            .as_ref()
-            .and_then(|c| c.next(bytes.len() as u64));
+        let damage_at = shared.corruption.next(bytes.len() as u64);
         let mut crc = Checksum::new();
         for (i, piece) in bytes.chunks(PIECE).enumerate() {
             if let Some(pacer) = &shared.pacer {
