@@ -15,16 +15,16 @@ import subprocess
 import sys
 import time
 
-from phalanx import _core
+from phalanx._core import _testing
 
 from harness import cpu_seconds, lighthouse_process, metric, percentile, report, stop
 
 LOAD = """
 import sys
-from phalanx import _core
+from phalanx._core import _testing
 address, replicas, hz, seconds, connections = sys.argv[1:]
-print(_core.bench_heartbeats(address, int(replicas), float(hz), float(seconds),
-                             connections=int(connections)), flush=True)
+print(_testing.bench_heartbeats(address, int(replicas), float(hz), float(seconds),
+                               connections=int(connections)), flush=True)
 """
 
 
@@ -67,7 +67,7 @@ def main() -> None:
                 cpu_seconds(pid),
                 time.monotonic(),
             )
-            timings = _core.bench_quorum_rounds(address, args.quorum_groups, args.rounds)
+            timings = _testing.bench_quorum_rounds(address, args.quorum_groups, args.rounds)
             time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
             beats1, cpu1, t1 = (
                 metric(address, "phalanx_lighthouse_heartbeats_total"),

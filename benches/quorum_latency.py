@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from phalanx import _core
+from phalanx._core import _testing
 
 from harness import lighthouse_process, percentile, report
 
@@ -35,7 +35,7 @@ def main() -> None:
         str(args.replicas),
     )
     with lighthouse_process(*flags) as (address, _):
-        timings = _core.bench_quorum_rounds(
+        timings = _testing.bench_quorum_rounds(
             address, args.replicas, args.rounds, change_every=args.change_every
         )
     steady = [s * 1e3 for s, changed, _ in timings if not changed]

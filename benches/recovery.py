@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx import _core
+from phalanx._core import _testing
 from phalanx.recovery import StateHost, heal
 
 from harness import report
@@ -210,7 +210,7 @@ def drive(args: argparse.Namespace) -> None:
     connections = args.sources * args.connections_per_source
     raw = {}
     for n in sorted({2, connections}):
-        raw[n] = min(_core.bench_raw_tcp(nbytes, n) for _ in range(3))
+        raw[n] = min(_testing.bench_raw_tcp(nbytes, n) for _ in range(3))
     best_raw = nbytes / min(raw.values()) / 1e9
     best = min(runs, key=lambda r: r["seconds"])
     gb_per_s = nbytes / best["seconds"] / 1e9

@@ -19,6 +19,7 @@ import torch
 
 import phalanx.recovery
 from phalanx import _core
+from phalanx._core import _testing
 from phalanx.recovery import IncompatibleStateError, StateHost, heal
 
 from conftest import Child
@@ -188,7 +189,9 @@ def test_requests_without_the_token_or_for_another_quorum_or_step_are_refused(ho
 def test_a_damaged_chunk_is_caught_and_fetched_again():
     served = {"m": {"w": torch.randn(3_000_000), "b": torch.randn(100)}}
     stats = []
-    with StateHost(bind="127.0.0.1:0", test_corrupt_chunks=2, test_corrupt_byte=12345) as host:
+    with StateHost(bind="127.0.0.1:0") as host:
+        # Test hook (the `testing` build): a bad link damages the next two chunks.
+        _testing.damage_next_chunks(host._server, 2, 12345)
         host.open(1, 1, served)
         got = heal([host.address], 1, 1, {"m": {}}, report=stats.append)
     assert raw(got["m"]["w"]) == raw(served["m"]["w"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from phalanx._core import _testing
 from phalanx.recovery import StateHost, heal
 from state_process import tensor_bytes
 
@@ -134,7 +135,8 @@ def test_any_damaged_chunk_byte_is_caught_and_fetched_again(sizes, damaged, at):
     state = {"s": [torch.arange(n, dtype=torch.uint8) for n in sizes]}
     chunks = sum(-(-n // (4 << 20)) for n in sizes)
     stats = []
-    with StateHost(bind="127.0.0.1:0", test_corrupt_chunks=damaged, test_corrupt_byte=at) as h:
+    with StateHost(bind="127.0.0.1:0") as h:
+        _testing.damage_next_chunks(h._server, damaged, at)
         h.open(1, 1, state)
         got = heal([h.address], 1, 1, {"s": None}, report=stats.append)
     assert same(state, got)

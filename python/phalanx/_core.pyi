@@ -6,10 +6,13 @@ down), `PermissionError` (missing or wrong job token) or `ValueError` (bad input
 each with a message that says what to do.
 """
 
-from types import TracebackType
+from types import ModuleType, TracebackType
 
 __version__: str
 PROTOCOL_VERSION: int
+#: Private, built with the `testing` cargo feature (as `pip install -e .` does): the
+#: benchmarks' load generators and the heal tests' corruption hook; not an API.
+_testing: ModuleType
 
 class Member:
     """A replica group as it took part in a quorum."""
@@ -155,6 +158,25 @@ class LighthouseStatus:
     @property
     def heartbeat_timeout_ms(self) -> int: ...
 
+LIGHTHOUSE_DEFAULTS: dict[str, float]
+"""The lighthouse's defaults, as `phalanx lighthouse` and `LighthouseServer` apply them
+(timeouts in seconds).
+
+>>> LIGHTHOUSE_DEFAULTS["join_timeout"], LIGHTHOUSE_DEFAULTS["heartbeat_timeout"]
+(1.0, 2.0)
+"""
+
+def parse_duration(text: str) -> float:
+    """Seconds from "15s", "500ms", "2m" or a plain number, as the lighthouse's command
+    line reads them.
+
+    >>> parse_duration("250ms"), parse_duration("1.5"), parse_duration("2m")
+    (0.25, 1.5, 120.0)
+    >>> parse_duration("soon")
+    Traceback (most recent call last):
+    ValueError: "soon" is not a duration; write e.g. 1s, 250ms or 2m
+    """
+
 class LighthouseServer:
     """The lighthouse of a job, served from this process (gRPC and HTTP on one port).
 
@@ -169,14 +191,15 @@ class LighthouseServer:
     def __init__(
         self,
         bind: str = "127.0.0.1:0",
-        min_replicas: int = 1,
-        join_timeout: float = 1.0,
-        heartbeat_timeout: float = 2.0,
+        min_replicas: int | None = None,
+        join_timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
         token: str | None = None,
         insecure: bool = False,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
-        wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`."""
+        wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
+        Options left None take the lighthouse's defaults, `LIGHTHOUSE_DEFAULTS`."""
     @property
     def address(self) -> str:
         """host:port for clients."""
@@ -365,30 +388,6 @@ def resolve_token(
     for both of a pair, a token file others can read or that is not this user's, an
     empty one, or a token that is not printable ASCII. See `phalanx.token`."""
 
-def bench_quorum_rounds(
-    address: str,
-    replicas: int,
-    rounds: int,
-    change_every: int = 0,
-    timeout: float = 30.0,
-    token: str | None = None,
-) -> list[tuple[float, bool, int]]:
-    """Benchmark load: `replicas` groups, each on its own connection, ask for `rounds`
-    quorums in lock-step; with `change_every`, an extra group joins or leaves (its
-    heartbeat stream dropped) on every such round. Returns, per round, the seconds from
-    the last request sent to the last answer, whether membership changed, the quorum id."""
-
-def bench_heartbeats(
-    address: str,
-    replicas: int,
-    hz: float,
-    duration: float,
-    connections: int = 64,
-    token: str | None = None,
-) -> int:
-    """Benchmark load: `replicas` heartbeat streams beating `hz` times a second over
-    `connections` connections for `duration` seconds. Returns the beats sent."""
-
 # -- checkpoint-free recovery: the state data path (used by phalanx.recovery) --------------
 
 class StateServer:
@@ -418,15 +417,10 @@ class StateServer:
         advertise_host: str | None = None,
         token: str | None = None,
         max_bytes_per_s: float | None = None,
-        test_corrupt_chunks: int = 0,
-        test_corrupt_byte: int = 0,
     ) -> None:
         """`advertise_host`: the host peers use; by default the bind IP, or this
         machine's hostname when bound to all interfaces. `max_bytes_per_s`: a cap on
-        what this server sends over all connections. `test_corrupt_*`: test only —
-        flip the byte at `test_corrupt_byte % chunk length` of the next
-        `test_corrupt_chunks` chunks on the wire (checksums stay those of the intact
-        bytes, so receivers must notice)."""
+        what this server sends over all connections."""
     @property
     def address(self) -> str:
         """host:port for healing peers."""
@@ -517,7 +511,3 @@ def fetch_manifest(
     """The manifest published with `step` of quorum `quorum_id`, from whichever source
     answers first; sources that have not published the step yet are asked again until
     `timeout`. Raises like `fetch_state`."""
-
-def bench_raw_tcp(nbytes: int, connections: int = 2) -> float:
-    """Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback TCP
-    connections at once (blocking threads, no framing, no checksum)."""

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import os
 import random
-import re
 import selectors
 import shutil
 import signal
@@ -41,16 +40,13 @@ from phalanx.token import new_token, resolve_token
 
 
 def parse_duration(text: str) -> float:
-    """Seconds from "15s", "500ms", "2m" or a plain number.
+    """Seconds from "15s", "500ms", "2m" or a plain number, read as the lighthouse's
+    command line reads them.
 
     >>> parse_duration("15s"), parse_duration("500ms"), parse_duration("2m"), parse_duration("3")
     (15.0, 0.5, 120.0, 3.0)
     """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*", text)
-    if not match:
-        raise ValueError(f"{text!r} is not a duration; write e.g. 15s, 500ms or 2m")
-    value, unit = float(match.group(1)), match.group(2) or "s"
-    return value * {"ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
+    return _core.parse_duration(text)
 
 
 def resolve(command: list[str]) -> list[str]:
@@ -543,26 +539,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait before a group's first restart, doubled on each next (default: 0.5)",
     )
+    defaults = _core.LIGHTHOUSE_DEFAULTS
     parser.add_argument(
         "--min-replicas",
         type=int,
-        default=1,
+        default=defaults["min_replicas"],
         metavar="N",
-        help="fewest groups a step may run with (lighthouse served here; default: 1)",
+        help="fewest groups a step may run with (lighthouse served here; default: "
+        f"{defaults['min_replicas']})",
     )
     parser.add_argument(
         "--join-timeout",
         type=parse_duration,
-        default=1.0,
+        default=defaults["join_timeout"],
         metavar="DURATION",
-        help="how long a quorum waits for a late live group (lighthouse served here; default: 1s)",
+        help="how long a quorum waits for a late live group (lighthouse served here; default: "
+        f"{defaults['join_timeout']:g}s)",
     )
     parser.add_argument(
         "--heartbeat-timeout",
         type=parse_duration,
-        default=2.0,
+        default=defaults["heartbeat_timeout"],
         metavar="DURATION",
-        help="silence after which a group is declared dead (lighthouse served here; default: 2s)",
+        help="silence after which a group is declared dead (lighthouse served here; default: "
+        f"{defaults['heartbeat_timeout']:g}s)",
     )
     parser.add_argument(
         "--token",

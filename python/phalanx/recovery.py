@@ -602,22 +602,17 @@ class StateHost:
         token: str | None = None,
         *,
         max_bytes_per_s: float | None = None,
-        test_corrupt_chunks: int = 0,
-        test_corrupt_byte: int = 0,
     ) -> None:
         """`bind`: "host:port" to listen on (port 0: any free one). `advertise_host`:
         the host peers should use, by default the bind IP, or this machine's hostname
         when bound to all interfaces. `token`: the job token peers must present.
         `max_bytes_per_s`: a cap on what this rank sends, to leave a shared link to
-        the training collectives. `test_corrupt_*`: test only — damage that many
-        chunks on the wire (at byte `test_corrupt_byte % chunk length`)."""
+        the training collectives."""
         self._server = _core.StateServer(
             bind=bind,
             advertise_host=advertise_host,
             token=token,
             max_bytes_per_s=max_bytes_per_s,
-            test_corrupt_chunks=test_corrupt_chunks,
-            test_corrupt_byte=test_corrupt_byte,
         )
         self._lent: list[torch.Tensor] = []
 

@@ -2,14 +2,21 @@
 //! binary and the `phalanx lighthouse` subcommand of the Python CLI.
 
 use std::path::PathBuf;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::Parser;
 
 use crate::auth::{self, JobToken, TokenSource};
 use crate::gate::GateLimits;
-use crate::lighthouse::{self, LighthouseOptions};
+use crate::lighthouse::{self, LighthouseOptions, Tuning};
 use crate::Error;
+
+/// The default timeouts as `--help` shows them and clap parses them back.
+static JOIN_TIMEOUT: LazyLock<String> =
+    LazyLock::new(|| duration_text(Tuning::DEFAULT.join_timeout));
+static HEARTBEAT_TIMEOUT: LazyLock<String> =
+    LazyLock::new(|| duration_text(Tuning::DEFAULT.heartbeat_timeout));
 
 /// Run the lighthouse of a phalanx job: it decides which replica groups take part in
 /// each step and watches their liveness. Serves gRPC and, on the same port, a status
@@ -21,13 +28,13 @@ pub struct LighthouseArgs {
     #[arg(long, env = "PHALANX_LIGHTHOUSE_BIND", default_value = "0.0.0.0:29510")]
     pub bind: String,
     /// Fewest replica groups that may form a quorum.
-    #[arg(long, env = "PHALANX_MIN_REPLICAS", default_value_t = 1)]
+    #[arg(long, env = "PHALANX_MIN_REPLICAS", default_value_t = Tuning::DEFAULT.min_replicas)]
     pub min_replicas: usize,
     /// How long a quorum waits for a late live group (e.g. 1s, 500ms).
-    #[arg(long, env = "PHALANX_JOIN_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
+    #[arg(long, env = "PHALANX_JOIN_TIMEOUT", default_value = JOIN_TIMEOUT.as_str(), value_parser = parse_duration)]
     pub join_timeout: Duration,
     /// How long a connected group may stay silent before it is declared dead.
-    #[arg(long, env = "PHALANX_HEARTBEAT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "PHALANX_HEARTBEAT_TIMEOUT", default_value = HEARTBEAT_TIMEOUT.as_str(), value_parser = parse_duration)]
     pub heartbeat_timeout: Duration,
     /// Job token; with it set, every request without it is refused. Visible to other
     /// users of this host in the process list: prefer --token-file. [env: PHALANX_TOKEN]
@@ -102,6 +109,18 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(value * scale))
 }
 
+/// A duration as `parse_duration` reads it back: "2s", "250ms", or "1.5s" where no
+/// whole unit fits.
+pub fn duration_text(duration: Duration) -> String {
+    if duration.subsec_nanos() == 0 {
+        format!("{}s", duration.as_secs())
+    } else if duration.subsec_nanos().is_multiple_of(1_000_000) {
+        format!("{}ms", duration.as_millis())
+    } else {
+        format!("{}s", duration.as_secs_f64())
+    }
+}
+
 /// Serves until SIGINT or SIGTERM, then shuts down cleanly.
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
     let options = args.options(process_environment)?;
@@ -162,5 +181,39 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("soon").unwrap_err().contains("e.g. 1s"));
         assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn a_duration_shown_reads_back_the_same() {
+        for ns in [
+            0,
+            1_000_000_000,
+            250_000_000,
+            1_500_000_000,
+            120_000_000_000,
+            1_234_567,
+        ] {
+            let duration = Duration::from_nanos(ns);
+            let text = duration_text(duration);
+            assert_eq!(parse_duration(&text), Ok(duration), "{text}");
+        }
+        assert_eq!(duration_text(Duration::from_millis(2000)), "2s");
+        assert_eq!(duration_text(Duration::from_millis(250)), "250ms");
+    }
+
+    #[test]
+    fn the_command_line_defaults_are_the_lighthouses() {
+        let args = LighthouseArgs::try_parse_from(["phalanx-lighthouse"]).unwrap();
+        let defaults = Tuning::DEFAULT;
+        // The environment of the test process may set them; only the unset ones tell.
+        if std::env::var_os("PHALANX_MIN_REPLICAS").is_none() {
+            assert_eq!(args.min_replicas, defaults.min_replicas);
+        }
+        if std::env::var_os("PHALANX_JOIN_TIMEOUT").is_none() {
+            assert_eq!(args.join_timeout, defaults.join_timeout);
+        }
+        if std::env::var_os("PHALANX_HEARTBEAT_TIMEOUT").is_none() {
+            assert_eq!(args.heartbeat_timeout, defaults.heartbeat_timeout);
+        }
     }
 }

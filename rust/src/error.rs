@@ -19,6 +19,11 @@ pub enum Error {
     },
     #[error("{0}")]
     Rpc(#[from] Status),
+    /// A state transfer (the data path of a heal, see `crate::state`) failed. A
+    /// refusal (missing or wrong job token, a step or quorum the source does not
+    /// serve: I8) surfaces as `Permission`, a cancelled heal as `Other`.
+    #[error("{message}")]
+    Transfer { kind: ErrorKind, message: String },
 }
 
 /// Every status code a call can end with, as the kind a caller sees. Exhaustive, so
@@ -57,11 +62,46 @@ pub enum ErrorKind {
 }
 
 impl Error {
+    pub fn transfer(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error::Transfer {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// A transfer's deadline passed.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::transfer(ErrorKind::Timeout, message)
+    }
+
+    /// A source is unreachable, went away, or sent damaged data again and again.
+    pub fn connection(message: impl Into<String>) -> Self {
+        Self::transfer(ErrorKind::Connection, message)
+    }
+
+    /// A source refused: missing or wrong job token, or a request for a step or quorum
+    /// it does not serve (I8).
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::transfer(ErrorKind::Permission, message)
+    }
+
+    /// Bad arguments: a destination that does not match the source, overlapping
+    /// regions, a window already open.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::transfer(ErrorKind::InvalidInput, message)
+    }
+
+    /// The caller gave up (Ctrl-C).
+    pub fn cancelled(message: impl Into<String>) -> Self {
+        Self::transfer(ErrorKind::Other, message)
+    }
+
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Bind { .. } | Error::Connect { .. } => ErrorKind::Connection,
             Error::InvalidConfig(_) => ErrorKind::InvalidInput,
             Error::Rpc(status) => rpc_kind(status.code()),
+            Error::Transfer { kind, .. } => *kind,
         }
     }
 

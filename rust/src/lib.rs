@@ -9,6 +9,8 @@ pub mod door;
 mod error;
 pub mod gate;
 pub mod lighthouse;
+/// Load generators for the benchmarks (`phalanx._core._testing`).
+#[cfg(feature = "testing")]
 pub mod loadgen;
 pub mod manager;
 pub mod proto;

@@ -131,6 +131,16 @@ async fn answer<T>(what: &str, task: Answer<T>) -> Result<T, Error> {
     bounded(what, PATIENCE, task).await.expect("task ran")
 }
 
+/// Waits until the manager server has gathered exactly `ranks` for `step`.
+async fn asked(group: &ManagerHandle, step: i64, ranks: &[u32]) {
+    let gathered = async {
+        while group.asking() != Some((step, ranks.to_vec())) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    bounded("the gathered ranks", PATIENCE, gathered).await
+}
+
 fn rpc_status(result: Result<impl std::fmt::Debug, Error>) -> tonic::Status {
     match result {
         Err(Error::Rpc(status)) => status,
@@ -183,8 +193,8 @@ async fn ranks_that_disagree_on_the_step_are_all_refused_with_both_steps_named()
     let c = rank_client(&group);
 
     let early = ask(&c, "g", 0, 5);
-    // Let rank 0's request arrive first, so it is the one waiting when rank 1 disagrees.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Rank 0's request arrives first, so it is the one waiting when rank 1 disagrees.
+    asked(&group, 5, &[0]).await;
     let late = ask(&c, "g", 1, 6);
     for (who, task) in [("rank 0", early), ("rank 1", late)] {
         let status = rpc_status(answer(who, task).await);

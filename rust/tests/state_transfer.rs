@@ -10,8 +10,9 @@ use phalanx::auth::JobToken;
 use phalanx::gate::GateLimits;
 use phalanx::state::{
     fetch_manifest, fetch_state, Corruption, DestRegion, FetchOptions, FetchStats, ServerOptions,
-    SourceRegion, StateError, StateErrorKind, StateServer,
+    SourceRegion, StateServer,
 };
+use phalanx::{Error, ErrorKind};
 
 const STEP: i64 = 42;
 const QUORUM: u64 = 7;
@@ -79,7 +80,7 @@ async fn fetch(
     sources: &[String],
     buffers: &mut [Vec<u8>],
     options: FetchOptions,
-) -> Result<FetchStats, StateError> {
+) -> Result<FetchStats, Error> {
     fetch_state(
         sources,
         STEP,
@@ -134,6 +135,15 @@ async fn every_byte_arrives_striped_over_all_sources() {
     }
 }
 
+/// Waits until `server` has sent its first chunk bytes: a heal is under way.
+async fn sending(server: &StateServer) {
+    let started = Instant::now();
+    while server.served_bytes() == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "no bytes sent");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
     let source = state(&[8 * MIB, 8 * MIB, 8 * MIB]);
@@ -150,7 +160,7 @@ async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
     let sources = addresses(&servers);
     let mut healed = zeroed_like(&source);
     let (stats, ()) = tokio::join!(fetch(&sources, &mut healed, options()), async {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        sending(&servers[1]).await;
         // A dying process: its sockets close with its sends half done.
         servers[1].shutdown().await.unwrap();
     });
@@ -169,17 +179,11 @@ async fn a_source_that_dies_mid_heal_is_replaced_by_the_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_chunk_is_caught_and_fetched_again() {
     let source = state(&[3 * MIB + 17, 100]);
-    let server = serve(
-        &source,
-        ServerOptions {
-            test_corruption: Some(Corruption {
-                chunks: 3,
-                byte: 777_777,
-            }),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let server = serve(&source, ServerOptions::default()).await;
+    server.damage_next_chunks(Corruption {
+        chunks: 3,
+        byte: 777_777,
+    });
     let mut healed = zeroed_like(&source);
     let stats = fetch(&[server.address().to_string()], &mut healed, options())
         .await
@@ -191,23 +195,17 @@ async fn a_damaged_chunk_is_caught_and_fetched_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damage_on_every_try_fails_the_heal_with_the_cause() {
     let source = state(&[1000]);
-    let server = serve(
-        &source,
-        ServerOptions {
-            test_corruption: Some(Corruption {
-                chunks: u64::MAX,
-                byte: 0,
-            }),
-            ..ServerOptions::default()
-        },
-    )
-    .await;
+    let server = serve(&source, ServerOptions::default()).await;
+    server.damage_next_chunks(Corruption {
+        chunks: u64::MAX,
+        byte: 0,
+    });
     let mut healed = zeroed_like(&source);
     let err = fetch(&[server.address().to_string()], &mut healed, options())
         .await
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Connection);
-    assert!(err.message.contains("arrived damaged 5 times"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::Connection);
+    assert!(err.message().contains("arrived damaged 5 times"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,8 +223,8 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     let mut healed = zeroed_like(&source);
 
     let err = fetch(&sources, &mut healed, options()).await.unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
-    assert!(err.message.contains("job token"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
+    assert!(err.message().contains("job token"), "{err}");
     let err = fetch_manifest(
         &sources,
         STEP,
@@ -236,7 +234,7 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     )
     .await
     .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
 
     let token = JobToken::new(Some("s3cret".into()));
     let with_token = || FetchOptions {
@@ -256,8 +254,11 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
         )
         .await
         .unwrap_err();
-        assert_eq!(err.kind, StateErrorKind::Refused, "{err}");
-        assert!(err.message.contains("serves step 42 of quorum 7"), "{err}");
+        assert_eq!(err.kind(), ErrorKind::Permission, "{err}");
+        assert!(
+            err.message().contains("serves step 42 of quorum 7"),
+            "{err}"
+        );
         assert!(started.elapsed() < Duration::from_secs(1));
     }
     // A step the source has not reached: waited for, up to the deadline.
@@ -275,9 +276,9 @@ async fn requests_without_the_token_or_for_another_quorum_are_refused() {
     )
     .await
     .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Timeout, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert!(
-        err.message.contains("still serves step 42 of quorum 7"),
+        err.message().contains("still serves step 42 of quorum 7"),
         "{err}"
     );
     assert!(started.elapsed() < Duration::from_secs(2));
@@ -328,7 +329,7 @@ async fn withdraw_lets_sends_finish_then_cuts_them() {
     let sources = vec![server.address().to_string()];
     let mut healed = zeroed_like(&source);
     let (fetched, withdrawn) = tokio::join!(fetch(&sources, &mut healed, options()), async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        sending(&server).await;
         let started = Instant::now();
         let cut = server.withdraw(Duration::from_millis(100)).await;
         (cut, started.elapsed())
@@ -341,7 +342,7 @@ async fn withdraw_lets_sends_finish_then_cuts_them() {
     assert!(took < Duration::from_millis(1500), "withdraw took {took:?}");
     assert_eq!(server.serving(), None);
     let err = fetched.unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::Connection, "{err}");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
     // Nothing in flight: a withdraw returns at once.
     let lent = vec![unsafe { SourceRegion::new(source[0].as_ptr() as usize, 16) }];
     server.publish(STEP + 1, QUORUM, vec![], lent).unwrap();
@@ -355,8 +356,8 @@ async fn publishing_over_an_open_window_is_refused() {
     let err = server
         .publish(STEP + 1, QUORUM, vec![], vec![])
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::InvalidInput);
-    assert!(err.message.contains("withdraw() it before"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput);
+    assert!(err.message().contains("withdraw() it before"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -386,7 +387,7 @@ async fn a_silent_source_cannot_hang_a_heal() {
         "{:?}",
         started.elapsed()
     );
-    assert!(err.message.contains("sent nothing for"), "{err}");
+    assert!(err.message().contains("sent nothing for"), "{err}");
 
     let both = vec![silent_address.clone(), good.address().to_string()];
     let stats = fetch(&both, &mut healed, stalling).await.unwrap();
@@ -412,8 +413,8 @@ async fn a_destination_of_another_shape_is_refused_before_any_byte_moves() {
     let err = fetch(&[server.address().to_string()], &mut healed, options())
         .await
         .unwrap_err();
-    assert_eq!(err.kind, StateErrorKind::InvalidInput, "{err}");
-    assert!(err.message.contains("region 1 has 2000 bytes"), "{err}");
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.message().contains("region 1 has 2000 bytes"), "{err}");
     assert!(healed.iter().all(|r| r.iter().all(|&b| b == 0)));
 }
 
@@ -452,7 +453,7 @@ async fn a_heal_completes_beside_a_flood_of_idle_connections_and_refusals_are_co
     };
     let mut healed = zeroed_like(&source);
     let refused = fetch(&sources, &mut healed, wrong).await.unwrap_err();
-    assert_eq!(refused.kind, StateErrorKind::Refused, "{refused}");
+    assert_eq!(refused.kind(), ErrorKind::Permission, "{refused}");
     let honest = FetchOptions { token, ..options() };
     fetch(&sources, &mut healed, honest)
         .await

@@ -28,6 +28,28 @@ use state::LighthouseState;
 /// Requests to the lighthouse are small; anything bigger is refused unread.
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
+/// How a lighthouse decides quorums and liveness, apart from where it listens and who
+/// may ask. `DEFAULT` is the one declaration of the defaults: the command line
+/// (`cli::LighthouseArgs`), the Python binding (`LighthouseServer`,
+/// `LIGHTHOUSE_DEFAULTS`) and the launcher all read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Fewest replica groups that may form a quorum.
+    pub min_replicas: usize,
+    /// How long a quorum waits for a late live group.
+    pub join_timeout: Duration,
+    /// How long a connected group may stay silent before it is declared dead.
+    pub heartbeat_timeout: Duration,
+}
+
+impl Tuning {
+    pub const DEFAULT: Tuning = Tuning {
+        min_replicas: 1,
+        join_timeout: Duration::from_secs(1),
+        heartbeat_timeout: Duration::from_secs(2),
+    };
+}
+
 #[derive(Clone, Debug)]
 pub struct LighthouseOptions {
     /// "host:port" for gRPC and HTTP; port 0 picks a free one.
@@ -46,9 +68,9 @@ impl Default for LighthouseOptions {
     fn default() -> Self {
         LighthouseOptions {
             bind: "0.0.0.0:29510".into(),
-            min_replicas: 1,
-            join_timeout: Duration::from_secs(1),
-            heartbeat_timeout: Duration::from_secs(2),
+            min_replicas: Tuning::DEFAULT.min_replicas,
+            join_timeout: Tuning::DEFAULT.join_timeout,
+            heartbeat_timeout: Tuning::DEFAULT.heartbeat_timeout,
             token: JobToken::default(),
             connections: GateLimits::RPC,
             insecure: false,

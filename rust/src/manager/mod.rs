@@ -6,10 +6,10 @@
 //! `crate::store`): the group's own process groups and the cross-group ones of the
 //! quorums this group comes first in meet there.
 
+mod group;
 mod heartbeat;
 pub mod plan;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -31,12 +31,11 @@ use crate::server::{self, ServerHandle};
 use crate::store::service::{max_request_bytes, SharedStore, StoreService};
 use crate::store::StoreLimits;
 use crate::{validate, Error};
+use group::{lease_verdict, Decision, Gathering, GroupState, RankRequest, StepQuorum, Vote, Voted};
 use heartbeat::Heartbeat;
 pub use heartbeat::{Lease, Progress};
 
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
-/// Commit decisions remembered for ranks that vote after the others timed out.
-const DECISIONS_KEPT: usize = 64;
 /// The store key that names the replica group whose manager serves the store: a rank
 /// given another group's MASTER_PORT reads it and says so, instead of joining that group.
 pub const REPLICA_ID_KEY: &str = "phalanx/manager/replica_id";
@@ -81,120 +80,11 @@ impl ManagerOptions {
     }
 }
 
-type Reply<T> = oneshot::Sender<Result<T, Status>>;
-
-struct RankRequest {
-    state_address: String,
-    shrink_only: bool,
-    state_quorum_id: u64,
-    torn: bool,
-    reply: Reply<proto::ManagerQuorumResponse>,
-}
-
-/// The group's ranks asking for the quorum of one step.
-struct Gathering {
-    step: i64,
-    ranks: BTreeMap<u32, RankRequest>,
-}
-
-type Decision = proto::ShouldCommitResponse;
-
-#[derive(Default)]
-struct Ballot {
-    voted: BTreeSet<u32>,
-    /// Every rank voted yes so far.
-    all_yes: bool,
-    /// Some rank's state is torn.
-    torn: bool,
-    /// The quorum ids the ranks said the step ran in (0: not said).
-    quorum_ids: BTreeSet<u64>,
-    waiters: Vec<oneshot::Sender<Decision>>,
-}
-
-/// The quorum the group's ranks were last handed, and when it arrived.
-#[derive(Clone, Copy, Debug)]
-struct StepQuorum {
-    id: u64,
-    received_at: Instant,
-}
-
-#[derive(Default)]
-struct Group {
-    gathering: Option<Gathering>,
-    ballots: BTreeMap<i64, Ballot>,
-    decided: VecDeque<(i64, Decision)>,
-    last_quorum_id: u64,
-    commit_failures: u32,
-    quorum: Option<StepQuorum>,
-    /// What the heartbeat reports to the lighthouse's per-group counters.
-    tally: proto::GroupTally,
-    /// Each rank's heal bytes so far, as it last reported them.
-    healed_bytes: BTreeMap<u32, u64>,
-}
-
-impl Group {
-    /// Records the decision of `step` and answers every rank waiting on it; a step
-    /// is decided once, so a later call gets the first decision back.
-    fn decide(&mut self, step: i64, decision: Decision) -> Decision {
-        if let Some(first) = self.decided(step) {
-            return first;
-        }
-        if let Some(ballot) = self.ballots.remove(&step) {
-            for waiter in ballot.waiters {
-                let _ = waiter.send(decision);
-            }
-        }
-        if decision.commit {
-            self.tally.steps_committed += 1;
-        } else {
-            self.commit_failures = self.commit_failures.saturating_add(1);
-            self.tally.steps_failed += 1;
-        }
-        self.decided.push_back((step, decision));
-        if self.decided.len() > DECISIONS_KEPT {
-            self.decided.pop_front();
-        }
-        decision
-    }
-
-    /// Rank `rank` has fetched `bytes` in heals so far.
-    fn healed(&mut self, rank: u32, bytes: u64) {
-        self.healed_bytes.insert(rank, bytes);
-        self.tally.healed_bytes = self
-            .healed_bytes
-            .values()
-            .fold(0, |sum, b| sum.saturating_add(*b));
-    }
-
-    fn decided(&self, step: i64) -> Option<Decision> {
-        self.decided
-            .iter()
-            .rev()
-            .find(|(s, _)| *s == step)
-            .map(|(_, d)| *d)
-    }
-}
-
-/// What the lease says about committing a step of quorum `quorum` that arrived at
-/// `received_at`: yes, no for good, or not yet known (wait for the next
-/// acknowledgement). No for good once a beat sent after the quorum arrived was
-/// acknowledged for another quorum: the lighthouse went on without this group.
-fn lease_verdict(lease: Option<&Lease>, quorum: StepQuorum, now: Instant) -> Option<bool> {
-    let lease = lease?;
-    if lease.holds(quorum.id, now) {
-        Some(true)
-    } else if lease.quorum_id != quorum.id && lease.sent_at > quorum.received_at {
-        Some(false)
-    } else {
-        None
-    }
-}
-
 struct Shared {
     options: ManagerOptions,
     manager_address: String,
     lighthouse: LighthouseClient,
-    group: Mutex<Group>,
+    group: Mutex<GroupState>,
     progress: watch::Sender<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
     lease: watch::Receiver<Option<Lease>>,
@@ -204,7 +94,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Group> {
+    fn lock(&self) -> MutexGuard<'_, GroupState> {
         self.group.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -228,90 +118,46 @@ impl Shared {
         )
     }
 
-    /// Every rank has voted: the group commits if all said yes, no rank is torn, and
-    /// it still holds the lease of the step's quorum.
-    async fn decide(&self, step: i64, ballot: (bool, bool, BTreeSet<u64>), deadline: Instant) {
-        let (all_yes, torn, claimed) = ballot;
-        let quorum = self.lock().quorum;
-        let agreed = quorum.filter(|q| claimed.iter().all(|id| *id == q.id));
-        let mut commit = all_yes && !torn && agreed.is_some();
-        if let (true, Some(quorum)) = (commit, agreed) {
-            commit = self.holds_lease(quorum, deadline).await;
-            if !commit {
-                tracing::warn!(
-                    replica_id = self.options.replica_id,
-                    step,
-                    quorum_id = quorum.id,
-                    "every rank voted yes, but the lighthouse no longer counts this group in \
-                     quorum {}: the step is not committed",
-                    quorum.id
-                );
-            }
+    /// The last vote on `step` was a yes about `quorum`: the group commits if it
+    /// still holds the lease of that quorum.
+    async fn commit_if_leased(&self, step: i64, quorum: StepQuorum, deadline: Instant) {
+        let commit = self.holds_lease(quorum, deadline).await;
+        if !commit {
+            tracing::warn!(
+                replica_id = self.options.replica_id,
+                step,
+                quorum_id = quorum.id,
+                "every rank voted yes, but the lighthouse no longer counts this group in \
+                 quorum {}: the step is not committed",
+                quorum.id
+            );
         }
-        self.lock().decide(step, Decision { commit, torn });
+        let decision = Decision {
+            commit,
+            torn: false,
+        };
+        self.lock().decide(step, decision);
     }
 
     /// All ranks are in: one lighthouse request for the whole group.
     async fn ask_lighthouse(self: Arc<Self>, gathering: Gathering, timeout: Duration) {
-        let (last_quorum_id, commit_failures) = {
-            let g = self.lock();
-            (g.last_quorum_id, g.commit_failures)
-        };
-        let member = proto::Member {
-            replica_id: self.options.replica_id.clone(),
-            manager_address: self.manager_address.clone(),
-            store_address: self.store_address.clone(),
-            step: gathering.step,
-            world_size: self.options.world_size,
-            shrink_only: gathering.ranks.values().any(|r| r.shrink_only),
-            commit_failures,
-            state_addresses: gathering
-                .ranks
-                .values()
-                .map(|r| r.state_address.clone())
-                .collect(),
-            state_quorum_id: gathering
-                .ranks
-                .values()
-                .map(|r| r.state_quorum_id)
-                .max()
-                .unwrap_or(0),
-            // Ranks that disagree on which state they hold cannot all hold the job's.
-            torn: gathering.ranks.values().any(|r| r.torn)
-                || !gathering
-                    .ranks
-                    .values()
-                    .all(|r| r.state_quorum_id == gathering.ranks[&0].state_quorum_id),
-        };
+        let (member, last_quorum_id) =
+            self.lock()
+                .member(&gathering, &self.manager_address, &self.store_address);
+        let reported_failures = member.commit_failures;
         let result = self
             .lighthouse
             .quorum_patiently(member, last_quorum_id, timeout)
             .await;
         let quorum = match result {
             Ok(q) => q,
-            Err(e) => {
-                let status = match e {
-                    Error::Rpc(status) => status,
-                    other => Status::unavailable(other.to_string()),
-                };
-                for r in gathering.ranks.into_values() {
-                    let _ = r.reply.send(Err(status.clone()));
-                }
-                return;
-            }
+            Err(Error::Rpc(status)) => return gathering.fail(&status),
+            Err(other) => return gathering.fail(&Status::unavailable(other.to_string())),
         };
-        let previous = {
-            let mut g = self.lock();
-            let previous = g.quorum.map(|q| q.id);
-            g.last_quorum_id = g.last_quorum_id.max(quorum.quorum_id);
-            g.commit_failures = g.commit_failures.saturating_sub(commit_failures);
-            g.quorum = Some(StepQuorum {
-                id: quorum.quorum_id,
-                received_at: Instant::now(),
-            });
-            previous
-        };
-        if let Some(previous) = previous.filter(|id| *id != quorum.quorum_id) {
+        let previous =
+            self.lock()
+                .quorum_received(quorum.quorum_id, reported_failures, Instant::now());
+        if let Some(previous) = previous {
             // Every rank of the group asked for this quorum, so each is done with the
             // process group of the previous one: its rendezvous keys (if this group
             // hosted them) are no longer read.
@@ -322,24 +168,16 @@ impl Shared {
             p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
             p.step = gathering.step;
         });
-        let plans: Vec<_> = gathering
-            .ranks
-            .into_iter()
-            .map(|(rank, r)| {
-                let plan = plan::rank_plan(
-                    &quorum,
-                    &self.options.replica_id,
-                    rank,
-                    self.options.init_sync,
-                );
-                (r, plan)
-            })
-            .collect();
-        if plans.iter().any(|(_, p)| p.as_ref().is_ok_and(|p| p.heal)) {
-            self.lock().tally.heals += 1;
-        }
-        for (r, plan) in plans {
-            let _ = r.reply.send(plan);
+        let replica_id = &self.options.replica_id;
+        let init_sync = self.options.init_sync;
+        let mut heals = false;
+        gathering.answer(|rank| {
+            let plan = plan::rank_plan(&quorum, replica_id, rank, init_sync);
+            heals |= plan.as_ref().is_ok_and(|p| p.heal);
+            plan
+        });
+        if heals {
+            self.lock().heals();
         }
     }
 }
@@ -398,90 +236,23 @@ impl Manager for ManagerService {
         shared.lock().healed(req.group_rank, req.healed_bytes);
 
         let (reply, answer) = oneshot::channel();
-        let complete = {
-            let mut g = shared.lock();
-            if let Some(gathering) = &g.gathering {
-                if gathering.step != req.step {
-                    let asked: Vec<String> = gathering
-                        .ranks
-                        .keys()
-                        .map(|r| format!("rank {r} at step {}", gathering.step))
-                        .collect();
-                    let status = Status::invalid_argument(format!(
-                        "the ranks of replica group {:?} disagree on the step: {} but rank {} at \
-                         step {}; every rank must start the quorum of the same step",
-                        shared.options.replica_id,
-                        asked.join(", "),
-                        req.group_rank,
-                        req.step
-                    ));
-                    for r in g
-                        .gathering
-                        .take()
-                        .into_iter()
-                        .flat_map(|g| g.ranks.into_values())
-                    {
-                        let _ = r.reply.send(Err(status.clone()));
-                    }
-                    return Err(status);
-                }
-            }
-            let gathering = g.gathering.get_or_insert_with(|| Gathering {
-                step: req.step,
-                ranks: BTreeMap::new(),
-            });
-            let request = RankRequest {
-                state_address: req.state_address,
-                shrink_only: req.shrink_only,
-                state_quorum_id: req.state_quorum_id,
-                torn: req.torn,
-                reply,
-            };
-            if let Some(old) = gathering.ranks.insert(req.group_rank, request) {
-                let _ = old.reply.send(Err(Status::aborted(
-                    "superseded by a newer request from the same rank",
-                )));
-            }
-            if gathering.ranks.len() == world_size as usize {
-                // Every rank is past its last vote: a retried step number starts a new
-                // ballot instead of getting the remembered answer of the failed attempt.
-                g.ballots.clear();
-                g.decided.clear();
-                g.gathering.take()
-            } else {
-                None
-            }
+        let request = RankRequest {
+            state_address: req.state_address,
+            shrink_only: req.shrink_only,
+            state_quorum_id: req.state_quorum_id,
+            torn: req.torn,
+            reply,
         };
+        let complete = shared.lock().ask(req.group_rank, req.step, request)?;
         if let Some(gathering) = complete {
             tokio::spawn(shared.clone().ask_lighthouse(gathering, timeout));
         }
-
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(result)) => result.map(Response::new),
             Ok(Err(_)) => Err(Status::unavailable("the manager server is shutting down")),
-            Err(_) => {
-                let mut g = shared.lock();
-                let missing: Vec<u32> = match &mut g.gathering {
-                    Some(gathering) if gathering.step == req.step => {
-                        gathering.ranks.remove(&req.group_rank);
-                        (0..world_size)
-                            .filter(|r| *r != req.group_rank && !gathering.ranks.contains_key(r))
-                            .collect()
-                    }
-                    _ => Vec::new(),
-                };
-                let why = if missing.is_empty() {
-                    "the lighthouse did not answer in time".to_string()
-                } else {
-                    format!("rank(s) {missing:?} of the group did not ask")
-                };
-                Err(Status::deadline_exceeded(format!(
-                    "no quorum for replica group {:?} at step {} within {:.3} s: {why}",
-                    shared.options.replica_id,
-                    req.step,
-                    timeout.as_secs_f64()
-                )))
-            }
+            Err(_) => Err(shared
+                .lock()
+                .give_up_quorum(req.group_rank, req.step, timeout)),
         }
     }
 
@@ -491,72 +262,48 @@ impl Manager for ManagerService {
     ) -> Result<Response<proto::ShouldCommitResponse>, Status> {
         let req = request.into_inner();
         let shared = &self.shared;
-        let world_size = shared.options.world_size;
         let timeout = check_rank_request(
             req.protocol_version,
             req.group_rank,
             req.step,
             req.timeout_ms,
-            world_size,
+            shared.options.world_size,
         )?;
-
         validate::quorum_id("quorum_id", req.quorum_id)?;
         let deadline = Instant::now() + timeout;
 
-        let (tx, rx) = oneshot::channel();
-        let complete = {
-            let mut g = shared.lock();
-            if let Some(decision) = g.decided(req.step) {
-                return Ok(Response::new(decision));
-            }
-            let ballot = g.ballots.entry(req.step).or_insert_with(|| Ballot {
-                all_yes: true,
-                ..Ballot::default()
-            });
-            ballot.voted.insert(req.group_rank);
-            ballot.all_yes &= req.vote;
-            ballot.torn |= req.torn;
-            if req.quorum_id != 0 {
-                ballot.quorum_ids.insert(req.quorum_id);
-            }
-            ballot.waiters.push(tx);
-            (ballot.voted.len() == world_size as usize).then(|| {
-                (
-                    ballot.all_yes,
-                    ballot.torn,
-                    std::mem::take(&mut ballot.quorum_ids),
-                )
-            })
+        let vote = Vote {
+            step: req.step,
+            yes: req.vote,
+            torn: req.torn,
+            quorum_id: req.quorum_id,
         };
-        if let Some(ballot) = complete {
-            shared.decide(req.step, ballot, deadline).await;
-        }
-        let decision = match tokio::time::timeout_at(deadline.into(), rx).await {
-            Ok(Ok(decision)) => decision,
-            Ok(Err(_)) => Decision {
-                commit: false,
-                torn: true,
-            },
-            Err(_) => {
-                // A rank that never votes means "no" for everyone, never a hang; and
-                // its heal, if it healed, may not have completed. (With every vote in,
-                // the lease was not settled in time: a "no", torn as the ranks said.)
-                let mut g = shared.lock();
-                let (missing, torn): (Vec<u32>, bool) = match g.ballots.get(&req.step) {
-                    Some(b) => (
-                        (0..world_size).filter(|r| !b.voted.contains(r)).collect(),
-                        b.torn,
-                    ),
-                    None => (Vec::new(), true),
-                };
-                let torn = torn || !missing.is_empty();
-                let decision = g.decide(
+        let (waiter, decision) = oneshot::channel();
+        let voted = shared.lock().vote(req.group_rank, vote, waiter);
+        match voted {
+            Voted::Decided(decision) => return Ok(Response::new(decision)),
+            Voted::Waiting => {}
+            Voted::No { torn } => {
+                shared.lock().decide(
                     req.step,
                     Decision {
                         commit: false,
                         torn,
                     },
                 );
+            }
+            Voted::YesIfLeased { quorum } => {
+                shared.commit_if_leased(req.step, quorum, deadline).await;
+            }
+        }
+        let decision = match tokio::time::timeout_at(deadline.into(), decision).await {
+            Ok(Ok(decision)) => decision,
+            Ok(Err(_)) => Decision {
+                commit: false,
+                torn: true,
+            },
+            Err(_) => {
+                let (decision, missing) = shared.lock().give_up_vote(req.step);
                 if !missing.is_empty() {
                     tracing::warn!(
                         replica_id = shared.options.replica_id,
@@ -614,6 +361,15 @@ pub struct ManagerHandle {
     pub address: String,
     /// Requests and connections turned away, by reason.
     pub refusals: Arc<GroupRefusals>,
+    shared: Arc<Shared>,
+}
+
+impl ManagerHandle {
+    /// The step the group's ranks are gathering for and the ranks that asked so far;
+    /// None when no rank waits for a quorum.
+    pub fn asking(&self) -> Option<(i64, Vec<u32>)> {
+        self.shared.lock().asking()
+    }
 }
 
 /// Starts a group's manager server on the current tokio runtime.
@@ -634,11 +390,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         more.extend(server::bind_also(bound, host).await?);
     }
     let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
-    let limits = StoreLimits::default();
-    let store = SharedStore::new(limits);
-    store
-        .update(|s| s.set(REPLICA_ID_KEY, options.replica_id.clone().into()))
-        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    let store = group_store(&options.replica_id)?;
     let store_address = if options.store_address.is_empty() {
         manager_address.clone()
     } else {
@@ -648,26 +400,20 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         options: options.clone(),
         manager_address: manager_address.clone(),
         lighthouse: lighthouse.clone(),
-        group: Mutex::new(Group::default()),
+        group: Mutex::new(GroupState::new(
+            options.replica_id.clone(),
+            options.world_size,
+        )),
         progress,
         events: events.clone(),
         lease: lease_rx,
         refusals: refusals.clone(),
-        store: store.clone(),
+        store,
         store_address,
     });
     let group = Arc::downgrade(&shared);
-    let (shutdown, mut stopping) = watch::channel(false);
-    let grpc = ManagerServer::new(ManagerService {
-        shared,
-        shutdown: stopping.clone(),
-    })
-    .max_decoding_message_size(MAX_REQUEST_BYTES);
-    let grpc = InterceptedService::new(grpc, options.token.clone());
-    let store = StoreServer::new(StoreService::new(store))
-        .max_decoding_message_size(max_request_bytes(&limits));
-    let store = InterceptedService::new(store, options.token.clone());
-    let routes = Routes::new(grpc).add_service(store);
+    let (shutdown, stopping) = watch::channel(false);
+    let routes = routes(shared.clone(), stopping.clone());
     let door = Door::new(options.connections, refusals.own.clone());
     let mut handle = server::spawn(listener, more, routes, shutdown, door);
     let heartbeat = Heartbeat {
@@ -679,17 +425,14 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events,
         lease,
         refusals: refusals.clone(),
-        tally: Arc::new(move || group.upgrade().map(|s| s.lock().tally).unwrap_or_default()),
-    }
-    .run();
-    // A stopping server closes its heartbeat stream at once, so that the lighthouse
-    // and the other groups learn now, not after the shutdown grace.
-    handle.add_task(tokio::spawn(async move {
-        tokio::select! {
-            _ = heartbeat => {}
-            _ = stopping.wait_for(|s| *s) => {}
-        }
-    }));
+        tally: Arc::new(move || {
+            group
+                .upgrade()
+                .map(|s| s.lock().tally())
+                .unwrap_or_default()
+        }),
+    };
+    handle.add_task(tokio::spawn(beat_until_stopped(heartbeat, stopping)));
     tracing::info!(
         replica_id = options.replica_id,
         address = manager_address,
@@ -699,5 +442,40 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         server: handle,
         address: manager_address,
         refusals,
+        shared,
     })
+}
+
+/// The group's rendezvous store, holding the key that names the group.
+fn group_store(replica_id: &str) -> Result<SharedStore, Error> {
+    let store = SharedStore::new(StoreLimits::default());
+    store
+        .update(|s| s.set(REPLICA_ID_KEY, replica_id.to_string().into()))
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+    Ok(store)
+}
+
+/// The manager's gRPC service and the group's store, both behind the job token.
+fn routes(shared: Arc<Shared>, stopping: watch::Receiver<bool>) -> Routes {
+    let token = shared.options.token.clone();
+    let store = shared.store.clone();
+    let grpc = ManagerServer::new(ManagerService {
+        shared,
+        shutdown: stopping,
+    })
+    .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, token.clone());
+    let store = StoreServer::new(StoreService::new(store))
+        .max_decoding_message_size(max_request_bytes(&StoreLimits::default()));
+    let store = InterceptedService::new(store, token);
+    Routes::new(grpc).add_service(store)
+}
+
+/// A stopping server closes its heartbeat stream at once, so that the lighthouse
+/// and the other groups learn now, not after the shutdown grace.
+async fn beat_until_stopped(heartbeat: Heartbeat, mut stopping: watch::Receiver<bool>) {
+    tokio::select! {
+        _ = heartbeat.run() => {}
+        _ = stopping.wait_for(|s| *s) => {}
+    }
 }

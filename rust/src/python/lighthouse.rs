@@ -2,22 +2,23 @@
 
 use std::sync::Mutex;
 
-use pyo3::exceptions::PyKeyboardInterrupt;
+use pyo3::exceptions::{PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use super::runtime::{control, wait};
 use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
-use super::{seconds, stop, to_py, unsigned};
+use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::client;
 use crate::gate::GateLimits;
-use crate::lighthouse::{self, LighthouseOptions};
+use crate::lighthouse::{self, LighthouseOptions, Tuning};
 use crate::proto;
 use crate::server::ServerHandle;
 
 /// The lighthouse of a job, running in this process.
-#[pyclass(module = "phalanx._core", frozen)]
+#[pyclass(module = "phalanx._core", frozen, extends = Server)]
 pub struct LighthouseServer {
     handle: Mutex<Option<ServerHandle>>,
     #[pyo3(get)]
@@ -26,22 +27,28 @@ pub struct LighthouseServer {
 
 #[pymethods]
 impl LighthouseServer {
+    /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None, insecure = false))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false))]
     fn new(
         py: Python<'_>,
         bind: &str,
-        min_replicas: i64,
-        join_timeout: f64,
-        heartbeat_timeout: f64,
+        min_replicas: Option<i64>,
+        join_timeout: Option<f64>,
+        heartbeat_timeout: Option<f64>,
         token: Option<String>,
         insecure: bool,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let defaults = Tuning::DEFAULT;
         let options = LighthouseOptions {
             bind: bind.to_string(),
-            min_replicas: unsigned("min_replicas", min_replicas)?,
-            join_timeout: seconds("join_timeout", join_timeout)?,
-            heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
+            min_replicas: min_replicas
+                .map_or(Ok(defaults.min_replicas), |n| unsigned("min_replicas", n))?,
+            join_timeout: join_timeout
+                .map_or(Ok(defaults.join_timeout), |s| seconds("join_timeout", s))?,
+            heartbeat_timeout: heartbeat_timeout.map_or(Ok(defaults.heartbeat_timeout), |s| {
+                seconds("heartbeat_timeout", s)
+            })?,
             token: JobToken::new(token),
             connections: GateLimits::RPC,
             insecure,
@@ -49,10 +56,11 @@ impl LighthouseServer {
         let handle = wait(py, lighthouse::serve(options))?;
         let addr = handle.local_addr();
         let address = crate::server::advertised_address(addr, None);
-        Ok(LighthouseServer {
+        let server = LighthouseServer {
             handle: Mutex::new(Some(handle)),
             address,
-        })
+        };
+        Ok(Server::init(server))
     }
 
     /// The status page, for a browser.
@@ -64,20 +72,6 @@ impl LighthouseServer {
     /// Stops serving; open calls get a short grace. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         stop(py, &self.handle)
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _exc: Bound<'_, PyAny>,
-        _v: Bound<'_, PyAny>,
-        _tb: Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        self.shutdown(py).map(|()| false)
     }
 }
 
@@ -211,7 +205,28 @@ fn run_lighthouse_cli(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     }
 }
 
+/// Seconds from "15s", "500ms", "2m" or a plain number of seconds, read as the
+/// lighthouse's command line reads them.
+#[pyfunction]
+fn parse_duration(text: &str) -> PyResult<f64> {
+    crate::cli::parse_duration(text)
+        .map(|d| d.as_secs_f64())
+        .map_err(PyValueError::new_err)
+}
+
+/// The lighthouse's defaults by option name, timeouts in seconds.
+fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let tuning = Tuning::DEFAULT;
+    let out = PyDict::new(py);
+    out.set_item("min_replicas", tuning.min_replicas)?;
+    out.set_item("join_timeout", tuning.join_timeout.as_secs_f64())?;
+    out.set_item("heartbeat_timeout", tuning.heartbeat_timeout.as_secs_f64())?;
+    Ok(out)
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("LIGHTHOUSE_DEFAULTS", defaults(m.py())?)?;
+    m.add_function(wrap_pyfunction!(parse_duration, m)?)?;
     m.add_class::<LighthouseServer>()?;
     m.add_class::<LighthouseClient>()?;
     m.add_function(wrap_pyfunction!(run_lighthouse_cli, m)?)?;

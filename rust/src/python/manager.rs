@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use super::runtime::{control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
-use super::{seconds, stop, to_py, unsigned};
+use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::client;
 use crate::gate::{GateLimits, GroupRefusals};
@@ -18,7 +18,7 @@ use crate::proto;
 use crate::server::ServerHandle;
 
 /// A replica group's manager server, hosted by its rank 0.
-#[pyclass(module = "phalanx._core", frozen)]
+#[pyclass(module = "phalanx._core", frozen, extends = Server)]
 pub struct ManagerServer {
     handle: Mutex<Option<ServerHandle>>,
     #[pyo3(get)]
@@ -44,7 +44,7 @@ impl ManagerServer {
         init_sync: bool,
         token: Option<String>,
         also_bind: Option<String>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let options = ManagerOptions {
             replica_id,
             lighthouse_address,
@@ -60,11 +60,12 @@ impl ManagerServer {
             connections: GateLimits::RPC,
         };
         let handle = wait(py, manager::serve(options))?;
-        Ok(ManagerServer {
+        let server = ManagerServer {
             handle: Mutex::new(Some(handle.server)),
             address: handle.address,
             refusals: handle.refusals,
-        })
+        };
+        Ok(Server::init(server))
     }
 
     /// Requests and connections turned away so far, by reason.
@@ -80,20 +81,6 @@ impl ManagerServer {
     /// Stops serving and closes the group's heartbeat stream. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         stop(py, &self.handle)
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _exc: Bound<'_, PyAny>,
-        _v: Bound<'_, PyAny>,
-        _tb: Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        self.shutdown(py).map(|()| false)
     }
 }
 

@@ -7,7 +7,8 @@
 //!
 //! By concern: `runtime` (the two runtimes and the waits on them), `types` (what the
 //! lighthouse and manager answer), `lighthouse`, `manager`, `store`, `state` (the data
-//! path of a heal), `token`, `bench` (load generators and yardsticks).
+//! path of a heal), `token`, and with the `testing` feature the private `_testing`
+//! (load generators and yardsticks for the benchmarks, the heal tests' corruption hook).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -16,32 +17,32 @@ use pyo3::exceptions::{
     PyConnectionError, PyPermissionError, PyRuntimeError, PyTimeoutError, PyValueError,
 };
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::server::ServerHandle;
 use crate::{proto, ErrorKind};
 
-mod bench;
 mod lighthouse;
 mod manager;
 mod runtime;
 mod state;
 mod store;
+#[cfg(feature = "testing")]
+mod testing;
 mod token;
 mod types;
 
-/// The Python exception for an error of the core.
-fn exception(kind: ErrorKind, message: String) -> PyErr {
-    match kind {
+/// The Python exception for an error of the core: one mapping for every call,
+/// transfers included.
+fn to_py(e: crate::Error) -> PyErr {
+    let message = e.message();
+    match e.kind() {
         ErrorKind::Timeout => PyTimeoutError::new_err(message),
         ErrorKind::Connection => PyConnectionError::new_err(message),
         ErrorKind::Permission => PyPermissionError::new_err(message),
         ErrorKind::InvalidInput => PyValueError::new_err(message),
         ErrorKind::Other => PyRuntimeError::new_err(message),
     }
-}
-
-fn to_py(e: crate::Error) -> PyErr {
-    exception(e.kind(), e.message())
 }
 
 /// A count or id from Python, checked into the unsigned type the core uses.
@@ -85,6 +86,33 @@ fn stop(py: Python<'_>, slot: &Mutex<Option<ServerHandle>>) -> PyResult<()> {
     Ok(())
 }
 
+/// The base of every server class of the bindings, for the one thing they share: the
+/// `with` protocol. `__exit__` calls the server's own (idempotent) `shutdown()` and
+/// lets an exception raised in the block go on. Private: Python code names the
+/// servers themselves.
+#[pyclass(module = "phalanx._core", name = "_Server", subclass, frozen)]
+pub struct Server;
+
+impl Server {
+    /// A server class's value as its constructor hands it to Python.
+    fn init<T: pyo3::PyClass<BaseType = Server>>(server: T) -> PyClassInitializer<T> {
+        PyClassInitializer::from(Server).add_subclass(server)
+    }
+}
+
+#[pymethods]
+impl Server {
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc_info))]
+    fn __exit__(slf: &Bound<'_, Self>, _exc_info: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        slf.call_method0("shutdown")?;
+        Ok(false)
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -95,6 +123,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     store::register(m)?;
     state::register(m)?;
     token::register(m)?;
-    bench::register(m)?;
+    #[cfg(feature = "testing")]
+    testing::register(m)?;
     Ok(())
 }

@@ -14,8 +14,7 @@ use pyo3::prelude::*;
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 
-use super::{exception, to_py};
-use crate::state::StateError;
+use super::to_py;
 use crate::Error;
 
 /// How often a blocking call wakes up to let Ctrl-C through.
@@ -67,10 +66,6 @@ pub(super) fn wait<T: Send>(
     }
 }
 
-pub(super) fn state_to_py(e: StateError) -> PyErr {
-    exception(e.kind(), e.message)
-}
-
 /// What to do with a task when Ctrl-C arrives while Python waits for it.
 pub(super) enum OnInterrupt {
     /// It touches no Python memory: drop it.
@@ -84,7 +79,7 @@ pub(super) enum OnInterrupt {
 /// Runs `fut` as its own task on the transfer runtime and waits for it without the GIL.
 pub(super) fn wait_transfer<T: Send + 'static>(
     py: Python<'_>,
-    fut: impl Future<Output = Result<T, StateError>> + Send + 'static,
+    fut: impl Future<Output = Result<T, Error>> + Send + 'static,
     mut on_interrupt: OnInterrupt,
 ) -> PyResult<T> {
     let mut task = transfers().spawn(fut);
@@ -93,7 +88,7 @@ pub(super) fn wait_transfer<T: Send + 'static>(
             transfers().block_on(async { tokio::time::timeout(SIGNAL_CHECK, &mut task).await })
         });
         match step {
-            Ok(Ok(result)) => return result.map_err(state_to_py),
+            Ok(Ok(result)) => return result.map_err(to_py),
             Ok(Err(e)) => {
                 return Err(PyRuntimeError::new_err(format!(
                     "a phalanx state task failed: {e}"

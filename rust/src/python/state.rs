@@ -13,10 +13,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tokio::sync::oneshot;
 
-use super::runtime::{state_to_py, wait_transfer, OnInterrupt};
-use super::{seconds_or_zero, unsigned};
+use super::runtime::{wait_transfer, OnInterrupt};
+use super::{seconds_or_zero, to_py, unsigned, Server};
 use crate::auth::JobToken;
-use crate::state::{self, Corruption, DestRegion, FetchOptions, ServerOptions, SourceRegion};
+use crate::state::{self, DestRegion, FetchOptions, ServerOptions, SourceRegion};
 
 fn regions(pairs: &[(usize, usize)]) -> PyResult<()> {
     for (i, &(addr, len)) in pairs.iter().enumerate() {
@@ -35,7 +35,7 @@ fn regions(pairs: &[(usize, usize)]) -> PyResult<()> {
 }
 
 /// A rank's state server: serves one committed step at a time, from memory.
-#[pyclass(module = "phalanx._core", frozen)]
+#[pyclass(module = "phalanx._core", frozen, extends = Server)]
 pub struct StateServer {
     inner: Mutex<Option<Arc<state::StateServer>>>,
     #[pyo3(get)]
@@ -43,7 +43,7 @@ pub struct StateServer {
 }
 
 impl StateServer {
-    fn server(&self) -> PyResult<Arc<state::StateServer>> {
+    pub(super) fn server(&self) -> PyResult<Arc<state::StateServer>> {
         self.inner
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -57,32 +57,27 @@ impl StateServer {
 #[pymethods]
 impl StateServer {
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", advertise_host = None, token = None, max_bytes_per_s = None, test_corrupt_chunks = 0, test_corrupt_byte = 0))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", advertise_host = None, token = None, max_bytes_per_s = None))]
     fn new(
         py: Python<'_>,
         bind: &str,
         advertise_host: Option<String>,
         token: Option<String>,
         max_bytes_per_s: Option<f64>,
-        test_corrupt_chunks: u64,
-        test_corrupt_byte: u64,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let options = ServerOptions {
             bind: bind.to_string(),
             advertise_host,
             token: JobToken::new(token),
             max_bytes_per_s,
-            test_corruption: (test_corrupt_chunks > 0).then_some(Corruption {
-                chunks: test_corrupt_chunks,
-                byte: test_corrupt_byte,
-            }),
             ..ServerOptions::default()
         };
         let server = wait_transfer(py, state::StateServer::bind(options), OnInterrupt::Abort)?;
-        Ok(StateServer {
+        let server = StateServer {
             address: server.address().to_string(),
             inner: Mutex::new(Some(Arc::new(server))),
-        })
+        };
+        Ok(Server::init(server))
     }
 
     /// Opens a window over `regions` ((address, length) pairs) for `step` of quorum
@@ -104,7 +99,7 @@ impl StateServer {
             .collect();
         self.server()?
             .publish(step, quorum_id, manifest.to_vec(), regions)
-            .map_err(state_to_py)
+            .map_err(to_py)
     }
 
     /// Closes the window; waits up to `timeout` s for sends in flight, then cuts
@@ -149,20 +144,6 @@ impl StateServer {
             ),
             None => Ok(()),
         }
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        _exc: Bound<'_, PyAny>,
-        _v: Bound<'_, PyAny>,
-        _tb: Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
-        self.shutdown(py).map(|()| false)
     }
 }
 

@@ -18,8 +18,8 @@ use tokio::time::Instant;
 use super::link::{Ask, Link, MAX_BACKOFF};
 use super::plan::{chunks, Chunk, StripePlan};
 use super::wire::{decode_layout, RequestKind, MAX_CHUNK_LEN};
-use super::{StateError, StateErrorKind};
 use crate::auth::JobToken;
+use crate::{Error, ErrorKind};
 
 /// Chunk requests kept outstanding per connection.
 const PIPELINE: usize = 2;
@@ -104,7 +104,7 @@ pub async fn fetch_manifest(
     quorum_id: u64,
     token: &JobToken,
     timeout: Duration,
-) -> Result<Vec<u8>, StateError> {
+) -> Result<Vec<u8>, Error> {
     check_sources(sources)?;
     let deadline = Instant::now() + timeout;
     let ask = Ask::new(step, quorum_id, token, timeout.min(Duration::from_secs(10)))?;
@@ -125,7 +125,7 @@ pub async fn fetch_manifest(
         match joined {
             Ok(Ok(manifest)) => return Ok(manifest),
             Ok(Err(e)) => failures.push(e),
-            Err(e) => failures.push(StateError::connection(format!("manifest ask failed: {e}"))),
+            Err(e) => failures.push(Error::connection(format!("manifest ask failed: {e}"))),
         }
     }
     Err(combine(failures, "no source sent the manifest"))
@@ -141,16 +141,14 @@ pub async fn fetch_state(
     dest: Vec<DestRegion>,
     options: FetchOptions,
     cancel: impl Future<Output = ()>,
-) -> Result<FetchStats, StateError> {
+) -> Result<FetchStats, Error> {
     check_sources(sources)?;
     check_destination(&dest)?;
     if options.connections_per_source == 0 {
-        return Err(StateError::invalid(
-            "connections_per_source must be 1 or more",
-        ));
+        return Err(Error::invalid("connections_per_source must be 1 or more"));
     }
     if options.chunk_bytes == 0 || options.chunk_bytes > MAX_CHUNK_LEN {
-        return Err(StateError::invalid(format!(
+        return Err(Error::invalid(format!(
             "chunk_bytes must be between 1 and {MAX_CHUNK_LEN}, got {}",
             options.chunk_bytes
         )));
@@ -165,7 +163,7 @@ pub async fn fetch_state(
             plan: StripePlan::new(chunks(&lens, options.chunk_bytes), sources.len()),
             received: vec![0; sources.len()],
             refetches: 0,
-            failures: vec![None; sources.len()],
+            failures: sources.iter().map(|_| None).collect(),
             waiting: vec![None; sources.len()],
             fatal: None,
         }),
@@ -183,7 +181,7 @@ pub async fn fetch_state(
     }
     let outcome = tokio::select! {
         biased;
-        () = cancel => Err(StateError::new(StateErrorKind::Cancelled, "the heal was cancelled")),
+        () = cancel => Err(Error::cancelled("the heal was cancelled")),
         finished = tokio::time::timeout_at(heal.deadline, heal.finished()) => {
             finished.unwrap_or_else(|_| Err(heal.timeout_error()))
         }
@@ -194,9 +192,9 @@ pub async fn fetch_state(
     outcome.map(|()| heal.stats(started))
 }
 
-fn check_sources(sources: &[String]) -> Result<(), StateError> {
+fn check_sources(sources: &[String]) -> Result<(), Error> {
     if sources.is_empty() {
-        return Err(StateError::invalid(
+        return Err(Error::invalid(
             "no sources to heal from: pass the state addresses of the up-to-date peers",
         ));
     }
@@ -204,19 +202,20 @@ fn check_sources(sources: &[String]) -> Result<(), StateError> {
 }
 
 /// Two regions that share bytes would have two connections write the same memory.
-fn check_destination(dest: &[DestRegion]) -> Result<(), StateError> {
+fn check_destination(dest: &[DestRegion]) -> Result<(), Error> {
     let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(dest.len());
     for (i, r) in dest.iter().enumerate().filter(|(_, r)| r.len > 0) {
-        let end = r.addr.checked_add(r.len).ok_or_else(|| {
-            StateError::invalid(format!("destination region {i} wraps around memory"))
-        })?;
+        let end = r
+            .addr
+            .checked_add(r.len)
+            .ok_or_else(|| Error::invalid(format!("destination region {i} wraps around memory")))?;
         spans.push((r.addr, end, i));
     }
     spans.sort_unstable();
     for pair in spans.windows(2) {
         let ((_, end, a), (start, _, b)) = (pair[0], pair[1]);
         if start < end {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "destination regions {a} and {b} overlap; give each tensor its own memory"
             )));
         }
@@ -242,10 +241,10 @@ struct Progress {
     plan: StripePlan,
     received: Vec<u64>,
     refetches: u64,
-    failures: Vec<Option<StateError>>,
+    failures: Vec<Option<Error>>,
     /// Why each source is being waited for, for the timeout message.
     waiting: Vec<Option<String>>,
-    fatal: Option<StateError>,
+    fatal: Option<Error>,
 }
 
 impl Heal {
@@ -320,7 +319,7 @@ impl Heal {
             p.plan.give_back(index);
             if p.plan.attempts(index) >= max_attempts {
                 let c = p.plan.chunk(index);
-                p.fatal = Some(StateError::connection(format!(
+                p.fatal = Some(Error::connection(format!(
                     "bytes {}..+{} of region {} arrived damaged {max_attempts} times (last from \
                      {address}); the network or a source's memory corrupts data",
                     c.offset, c.len, c.region
@@ -330,12 +329,7 @@ impl Heal {
     }
 
     /// Drops `source`; the chunks its connection held go back to the others.
-    fn source_failed(
-        &self,
-        source: usize,
-        held: impl IntoIterator<Item = usize>,
-        error: StateError,
-    ) {
+    fn source_failed(&self, source: usize, held: impl IntoIterator<Item = usize>, error: Error) {
         self.update(|p| {
             for index in held {
                 p.plan.give_back(index);
@@ -351,7 +345,7 @@ impl Heal {
     }
 
     /// Resolves when every chunk arrived, or the heal cannot complete.
-    async fn finished(&self) -> Result<(), StateError> {
+    async fn finished(&self) -> Result<(), Error> {
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -362,12 +356,12 @@ impl Heal {
                     return Ok(());
                 }
                 if let Some(fatal) = &p.fatal {
-                    return Err(fatal.clone());
+                    return Err(Error::transfer(fatal.kind(), fatal.message()));
                 }
                 if p.plan.is_stuck() {
                     let failures = self.sources.iter().zip(&p.failures).filter_map(|(a, f)| {
                         f.as_ref()
-                            .map(|f| StateError::new(f.kind, format!("{a}: {}", f.message)))
+                            .map(|f| Error::transfer(f.kind(), format!("{a}: {}", f.message())))
                     });
                     return Err(combine(failures.collect(), "every source failed"));
                 }
@@ -376,7 +370,7 @@ impl Heal {
         }
     }
 
-    fn timeout_error(&self) -> StateError {
+    fn timeout_error(&self) -> Error {
         let p = self.progress();
         let total: u64 = self.lens.iter().sum();
         let got: u64 = p.received.iter().sum();
@@ -390,11 +384,15 @@ impl Heal {
             if let Some(why) = why {
                 message.push_str(&format!("; {why}"));
             } else if let Some(f) = &p.failures[source] {
-                message.push_str(&format!("; {} failed: {}", self.sources[source], f.message));
+                message.push_str(&format!(
+                    "; {} failed: {}",
+                    self.sources[source],
+                    f.message()
+                ));
             }
         }
         message.push_str("; raise the timeout or check the sources");
-        StateError::timeout(message)
+        Error::timeout(message)
     }
 
     fn stats(&self, started: Instant) -> FetchStats {
@@ -414,7 +412,7 @@ impl Heal {
                 .sources
                 .iter()
                 .zip(&p.failures)
-                .filter_map(|(a, f)| f.as_ref().map(|f| (a.clone(), f.message.clone())))
+                .filter_map(|(a, f)| f.as_ref().map(|f| (a.clone(), f.message().clone())))
                 .collect(),
         }
     }
@@ -464,7 +462,7 @@ async fn run_link(heal: Arc<Heal>, source: usize) {
     }
 }
 
-async fn open_link(heal: &Heal, source: usize, address: &str) -> Result<Link, StateError> {
+async fn open_link(heal: &Heal, source: usize, address: &str) -> Result<Link, Error> {
     let mut link = Link::connect(address, &heal.ask, heal.deadline).await?;
     let waiting = |why: String| heal.waiting_for(source, why);
     let payload = link
@@ -476,9 +474,9 @@ async fn open_link(heal: &Heal, source: usize, address: &str) -> Result<Link, St
 }
 
 /// The source must publish exactly the regions the destination has, byte for byte.
-fn check_layout(address: &str, served: &[u64], dest: &[u64]) -> Result<(), StateError> {
+fn check_layout(address: &str, served: &[u64], dest: &[u64]) -> Result<(), Error> {
     if served.len() != dest.len() {
-        return Err(StateError::invalid(format!(
+        return Err(Error::invalid(format!(
             "state server {address} publishes {} regions, the destination has {}; every rank \
              must register the same state",
             served.len(),
@@ -486,7 +484,7 @@ fn check_layout(address: &str, served: &[u64], dest: &[u64]) -> Result<(), State
         )));
     }
     if let Some(i) = (0..dest.len()).find(|&i| served[i] != dest[i]) {
-        return Err(StateError::invalid(format!(
+        return Err(Error::invalid(format!(
             "region {i} has {} bytes at state server {address} but {} in the destination; \
              every rank must register the same state",
             served[i], dest[i]
@@ -497,19 +495,19 @@ fn check_layout(address: &str, served: &[u64], dest: &[u64]) -> Result<(), State
 
 /// One error out of several: refusals first (a token or quorum problem is what the
 /// user must fix), then bad input, then the rest.
-fn combine(errors: Vec<StateError>, summary: &str) -> StateError {
-    let rank = |e: &StateError| match e.kind {
-        StateErrorKind::Refused => 0,
-        StateErrorKind::InvalidInput => 1,
-        StateErrorKind::Timeout => 2,
+fn combine(errors: Vec<Error>, summary: &str) -> Error {
+    let rank = |e: &Error| match e.kind() {
+        ErrorKind::Permission => 0,
+        ErrorKind::InvalidInput => 1,
+        ErrorKind::Timeout => 2,
         _ => 3,
     };
     let kind = errors
         .iter()
         .min_by_key(|e| rank(e))
-        .map_or(StateErrorKind::Connection, |e| e.kind);
-    let details: Vec<String> = errors.into_iter().map(|e| e.message).collect();
-    StateError::new(kind, format!("{summary}: {}", details.join("; ")))
+        .map_or(ErrorKind::Connection, |e| e.kind());
+    let details: Vec<String> = errors.into_iter().map(|e| e.message()).collect();
+    Error::transfer(kind, format!("{summary}: {}", details.join("; ")))
 }
 
 #[cfg(test)]
@@ -521,11 +519,11 @@ mod tests {
         let r = |addr, len| unsafe { DestRegion::new(addr, len) };
         assert!(check_destination(&[r(100, 10), r(110, 5), r(0, 0), r(105, 0)]).is_ok());
         let err = check_destination(&[r(100, 10), r(109, 5)]).unwrap_err();
-        assert_eq!(err.kind, StateErrorKind::InvalidInput);
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
         assert!(
-            err.message.contains("regions 0 and 1 overlap"),
+            err.message().contains("regions 0 and 1 overlap"),
             "{}",
-            err.message
+            err.message()
         );
     }
 
@@ -533,9 +531,9 @@ mod tests {
     fn a_layout_mismatch_names_the_region() {
         let err = check_layout("a:1", &[4, 8, 16], &[4, 9, 16]).unwrap_err();
         assert!(
-            err.message.contains("region 1 has 8 bytes"),
+            err.message().contains("region 1 has 8 bytes"),
             "{}",
-            err.message
+            err.message()
         );
         assert!(check_layout("a:1", &[4], &[4, 4]).is_err());
     }
@@ -543,13 +541,12 @@ mod tests {
     #[test]
     fn a_refusal_outranks_connection_failures() {
         let err = combine(
-            vec![
-                StateError::connection("reset"),
-                StateError::refused("token"),
-            ],
+            vec![Error::connection("reset"), Error::refused("token")],
             "every source failed",
         );
-        assert_eq!(err.kind, StateErrorKind::Refused);
-        assert!(err.message.starts_with("every source failed: reset; token"));
+        assert_eq!(err.kind(), ErrorKind::Permission);
+        assert!(err
+            .message()
+            .starts_with("every source failed: reset; token"));
     }
 }

@@ -13,8 +13,8 @@ use super::wire::{
     Checksum, Request, RequestKind, ResponseHeader, Status, CHECKSUM_LEN, MAX_TOKEN_LEN,
     RESPONSE_HEADER_LEN,
 };
-use super::StateError;
 use crate::auth::JobToken;
+use crate::Error;
 
 /// Bytes read and checksummed per step: the checksum pass finds them still in cache.
 const PIECE: usize = 256 << 10;
@@ -39,10 +39,10 @@ impl Ask {
         quorum_id: u64,
         token: &JobToken,
         stall: Duration,
-    ) -> Result<Self, StateError> {
+    ) -> Result<Self, Error> {
         let token = token.header_value().unwrap_or_default().into_bytes();
         if token.len() > MAX_TOKEN_LEN {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "the job token is {} bytes long; at most {} are allowed",
                 token.len(),
                 MAX_TOKEN_LEN
@@ -75,7 +75,7 @@ impl Ask {
 enum Verdict {
     /// The source has not published the step yet: ask again later.
     NotYet(String),
-    Refused(StateError),
+    Refused(Error),
 }
 
 /// Decides what a refusal means. A source behind the requested (quorum, step) may
@@ -84,10 +84,10 @@ fn verdict(address: &str, asked: &Ask, header: &ResponseHeader, payload: &[u8]) 
     let said = String::from_utf8_lossy(payload);
     match header.status {
         Status::Ok => unreachable!("not a refusal"),
-        Status::Unauthorized => Verdict::Refused(StateError::refused(format!(
+        Status::Unauthorized => Verdict::Refused(Error::refused(format!(
             "state server {address} refused this rank: {said}"
         ))),
-        Status::BadRequest => Verdict::Refused(StateError::invalid(format!(
+        Status::BadRequest => Verdict::Refused(Error::invalid(format!(
             "state server {address} refused the request: {said}"
         ))),
         Status::NotPublished => Verdict::NotYet(format!(
@@ -103,7 +103,7 @@ fn verdict(address: &str, asked: &Ask, header: &ResponseHeader, payload: &[u8]) 
                     header.step, header.quorum_id, asked.step, asked.quorum_id
                 ))
             } else {
-                Verdict::Refused(StateError::refused(format!(
+                Verdict::Refused(Error::refused(format!(
                     "state server {address} serves step {} of quorum {}, not step {} of quorum \
                      {}: it serves only members of its current quorum; heal with the quorum id \
                      and max_step of the latest quorum",
@@ -126,20 +126,20 @@ impl Link {
         address: &str,
         ask: &Ask,
         deadline: Instant,
-    ) -> Result<Link, StateError> {
+    ) -> Result<Link, Error> {
         let limit = ask
             .stall
             .min(deadline.saturating_duration_since(Instant::now()));
         let stream = match tokio::time::timeout(limit, TcpStream::connect(address)).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
-                return Err(StateError::connection(format!(
+                return Err(Error::connection(format!(
                     "cannot connect to state server {address}: {e}; check that the peer runs and \
                      advertises an address this rank can reach"
                 )))
             }
             Err(_) => {
-                return Err(StateError::timeout(format!(
+                return Err(Error::timeout(format!(
                     "no connection to state server {address} within {limit:?}"
                 )))
             }
@@ -153,11 +153,11 @@ impl Link {
         })
     }
 
-    pub(super) fn lost(&self, what: &str, e: impl std::fmt::Display) -> StateError {
-        StateError::connection(format!("state server {} failed {what}: {e}", self.address))
+    pub(super) fn lost(&self, what: &str, e: impl std::fmt::Display) -> Error {
+        Error::connection(format!("state server {} failed {what}: {e}", self.address))
     }
 
-    async fn send(&mut self, request: &[u8]) -> Result<(), StateError> {
+    async fn send(&mut self, request: &[u8]) -> Result<(), Error> {
         match tokio::time::timeout(self.ask.stall, self.stream.write_all(request)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(self.lost("while asking", e)),
@@ -165,8 +165,8 @@ impl Link {
         }
     }
 
-    fn stalled(&self) -> StateError {
-        StateError::connection(format!(
+    fn stalled(&self) -> Error {
+        Error::connection(format!(
             "state server {} sent nothing for {:?}; treating it as failed",
             self.address, self.ask.stall
         ))
@@ -177,7 +177,7 @@ impl Link {
         &mut self,
         buf: &mut [u8],
         mut crc: Option<&mut Checksum>,
-    ) -> Result<(), StateError> {
+    ) -> Result<(), Error> {
         let mut filled = 0;
         while filled < buf.len() {
             let end = buf.len().min(filled + PIECE);
@@ -197,14 +197,14 @@ impl Link {
         Ok(())
     }
 
-    async fn read_header(&mut self) -> Result<ResponseHeader, StateError> {
+    async fn read_header(&mut self) -> Result<ResponseHeader, Error> {
         let mut header = [0u8; RESPONSE_HEADER_LEN];
         self.read_into(&mut header, None).await?;
         ResponseHeader::decode(&header).map_err(|e| self.lost("with a bad answer", e))
     }
 
     /// Reads a small payload and its checksum.
-    async fn read_small(&mut self, header: &ResponseHeader) -> Result<Vec<u8>, StateError> {
+    async fn read_small(&mut self, header: &ResponseHeader) -> Result<Vec<u8>, Error> {
         if header.payload_len > MAX_SMALL_ANSWER {
             return Err(self.lost(
                 "with a bad answer",
@@ -224,7 +224,7 @@ impl Link {
     }
 
     /// Reads the checksum that ends an answer; true if it matches.
-    async fn read_trailer(&mut self, crc: Checksum) -> Result<bool, StateError> {
+    async fn read_trailer(&mut self, crc: Checksum) -> Result<bool, Error> {
         let mut trailer = [0u8; CHECKSUM_LEN];
         self.read_into(&mut trailer, None).await?;
         Ok(u32::from_le_bytes(trailer) == crc.finish())
@@ -237,7 +237,7 @@ impl Link {
         kind: RequestKind,
         deadline: Instant,
         waiting: &(dyn Fn(String) + Sync),
-    ) -> Result<Vec<u8>, StateError> {
+    ) -> Result<Vec<u8>, Error> {
         let request = self.ask.request(
             kind,
             Chunk {
@@ -258,7 +258,7 @@ impl Link {
                 Verdict::Refused(e) => return Err(e),
                 Verdict::NotYet(why) => {
                     if Instant::now() + backoff >= deadline {
-                        return Err(StateError::timeout(format!("gave up: {why}")));
+                        return Err(Error::timeout(format!("gave up: {why}")));
                     }
                     waiting(why);
                     tokio::time::sleep(backoff).await;
@@ -268,7 +268,7 @@ impl Link {
         }
     }
 
-    pub(super) async fn ask_chunk(&mut self, chunk: Chunk) -> Result<(), StateError> {
+    pub(super) async fn ask_chunk(&mut self, chunk: Chunk) -> Result<(), Error> {
         let request = self.ask.request(RequestKind::Chunk, chunk);
         self.send(&request).await
     }
@@ -279,14 +279,14 @@ impl Link {
         &mut self,
         chunk: Chunk,
         dest: &mut [u8],
-    ) -> Result<bool, StateError> {
+    ) -> Result<bool, Error> {
         let header = self.read_header().await?;
         if header.status != Status::Ok {
             let payload = self.read_small(&header).await?;
             return Err(match verdict(&self.address, &self.ask, &header, &payload) {
                 Verdict::Refused(e) => e,
                 Verdict::NotYet(why) => {
-                    StateError::connection(format!("stopped serving mid-heal: {why}"))
+                    Error::connection(format!("stopped serving mid-heal: {why}"))
                 }
             });
         }
@@ -305,7 +305,7 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::StateErrorKind;
+    use crate::ErrorKind;
 
     fn ask(step: i64, quorum_id: u64) -> Ask {
         Ask::new(
@@ -337,7 +337,7 @@ mod tests {
         }
         for ahead in [other(11, 5), other(10, 6), other(3, 6)] {
             match verdict("a", &asked, &ahead, b"") {
-                Verdict::Refused(e) => assert_eq!(e.kind, StateErrorKind::Refused),
+                Verdict::Refused(e) => assert_eq!(e.kind(), ErrorKind::Permission),
                 Verdict::NotYet(why) => panic!("waited for a source ahead: {why}"),
             }
         }

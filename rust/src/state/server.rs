@@ -20,11 +20,11 @@ use super::wire::{
     encode_layout, encode_response, Checksum, Request, RequestHead, RequestKind, ResponseHeader,
     Status, WireError, MAX_CHUNK_LEN, REQUEST_HEADER_LEN,
 };
-use super::StateError;
 use crate::auth::JobToken;
 use crate::door::{self, Door, Guarded};
 use crate::gate::{GateLimits, Refusal, Refusals};
 use crate::server::advertised_address;
+use crate::Error;
 
 /// Bytes written and then checksummed per step: small enough to still be in L2 when
 /// the checksum pass follows the kernel's copy into the socket.
@@ -77,8 +77,6 @@ pub struct ServerOptions {
     /// Cap on the bytes per second sent over all connections (None: no cap), so a heal
     /// does not starve the training collectives on a shared link.
     pub max_bytes_per_s: Option<f64>,
-    /// Test only: damage bytes of served chunks on the wire, as a bad link would.
-    pub test_corruption: Option<Corruption>,
     /// Caps on connections (see `gate`).
     pub connections: GateLimits,
 }
@@ -90,7 +88,6 @@ impl Default for ServerOptions {
             advertise_host: None,
             token: JobToken::default(),
             max_bytes_per_s: None,
-            test_corruption: None,
             connections: GateLimits::STATE,
         }
     }
@@ -122,7 +119,8 @@ struct Shared {
     /// Woken whenever a send lets go of a window.
     released: Notify,
     pacer: Option<Pacer>,
-    corruption: Option<CorruptionHook>,
+    /// Test only (see `damage_next_chunks`); idle unless a test arms it.
+    corruption: CorruptionHook,
     served_bytes: AtomicU64,
 }
 
@@ -205,21 +203,27 @@ impl Pacer {
     }
 }
 
+#[derive(Default)]
 struct CorruptionHook {
     remaining: AtomicU64,
-    byte: u64,
+    byte: AtomicU64,
 }
 
 impl CorruptionHook {
+    fn arm(&self, corruption: Corruption) {
+        self.byte.store(corruption.byte, Ordering::Relaxed);
+        self.remaining.store(corruption.chunks, Ordering::Release);
+    }
+
     /// Where to damage the next chunk of `len` bytes, if it is to be damaged.
     fn next(&self, len: u64) -> Option<usize> {
         if len == 0 {
             return None;
         }
         self.remaining
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
             .ok()
-            .map(|_| (self.byte % len) as usize)
+            .map(|_| (self.byte.load(Ordering::Relaxed) % len) as usize)
     }
 }
 
@@ -233,17 +237,17 @@ pub struct StateServer {
 
 impl StateServer {
     /// Binds and starts serving; nothing is published yet.
-    pub async fn bind(options: ServerOptions) -> Result<Self, StateError> {
+    pub async fn bind(options: ServerOptions) -> Result<Self, Error> {
         if let Some(rate) = options.max_bytes_per_s {
             if !rate.is_finite() || rate <= 0.0 {
-                return Err(StateError::invalid(format!(
+                return Err(Error::invalid(format!(
                     "max_bytes_per_s must be a positive number of bytes per second, got {rate}"
                 )));
             }
         }
         let (listener, local_addr) = crate::server::bind(&options.bind)
             .await
-            .map_err(|e| StateError::connection(e.to_string()))?;
+            .map_err(|e| Error::connection(e.to_string()))?;
         let address = advertised_address(local_addr, options.advertise_host.as_deref());
         let refusals = Refusals::default();
         let shared = Arc::new(Shared {
@@ -255,10 +259,7 @@ impl StateServer {
                 bytes_per_s,
                 next: Mutex::new(Instant::now()),
             }),
-            corruption: options.test_corruption.map(|c| CorruptionHook {
-                remaining: AtomicU64::new(c.chunks),
-                byte: c.byte,
-            }),
+            corruption: CorruptionHook::default(),
             served_bytes: AtomicU64::new(0),
         });
         let (shutdown, stop) = watch::channel(false);
@@ -287,6 +288,11 @@ impl StateServer {
         &self.shared.refusals
     }
 
+    /// Test only: damages the next chunks sent, as a bad link would (see `Corruption`).
+    pub fn damage_next_chunks(&self, corruption: Corruption) {
+        self.shared.corruption.arm(corruption);
+    }
+
     /// Chunk bytes sent so far, over all windows.
     pub fn served_bytes(&self) -> u64 {
         self.shared.served_bytes.load(Ordering::Relaxed)
@@ -305,21 +311,21 @@ impl StateServer {
         quorum_id: u64,
         manifest: Vec<u8>,
         regions: Vec<SourceRegion>,
-    ) -> Result<(), StateError> {
+    ) -> Result<(), Error> {
         if step < 0 {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "step must be 0 or more, got {step}"
             )));
         }
         if u32::try_from(regions.len()).is_err() {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "{} regions are more than the wire can name (2^32)",
                 regions.len()
             )));
         }
         let mut slot = self.shared.window();
         if let Some(open) = &*slot {
-            return Err(StateError::invalid(format!(
+            return Err(Error::invalid(format!(
                 "the state of step {} (quorum {}) is still published; withdraw() it before \
                  publishing step {step} (quorum {quorum_id})",
                 open.step, open.quorum_id
@@ -340,7 +346,7 @@ impl StateServer {
     /// Closes the window: new requests are refused at once; sends in flight get
     /// `grace` to finish and are cut after it. Returns how many sends were cut. When
     /// it returns Ok, nothing reads the published memory any more.
-    pub async fn withdraw(&self, grace: Duration) -> Result<usize, StateError> {
+    pub async fn withdraw(&self, grace: Duration) -> Result<usize, Error> {
         let Some(window) = self.shared.window().take() else {
             return Ok(0);
         };
@@ -352,7 +358,7 @@ impl StateServer {
         if self.shared.wait_unread(&window, CUT_GRACE).await {
             return Ok(cut);
         }
-        Err(StateError::timeout(format!(
+        Err(Error::timeout(format!(
             "sends of step {} did not stop within {CUT_GRACE:?} of being cut; the runtime is \
              starved — do not change or free the published tensors yet, call withdraw again",
             window.step
@@ -360,7 +366,7 @@ impl StateServer {
     }
 
     /// Stops accepting, cuts every send and closes the window.
-    pub async fn shutdown(&self) -> Result<(), StateError> {
+    pub async fn shutdown(&self) -> Result<(), Error> {
         let _ = self.shutdown.send(true);
         self.withdraw(Duration::ZERO).await.map(|_| ())
     }
@@ -557,10 +563,7 @@ async fn send_chunk(
             quorum_id: window.quorum_id,
         };
         stream.write_all(&header.encode()).await?;
-        let damage_at = shared
-            .corruption
-            .as_ref()
-            .and_then(|c| c.next(bytes.len() as u64));
+        let damage_at = shared.corruption.next(bytes.len() as u64);
         let mut crc = Checksum::new();
         for (i, piece) in bytes.chunks(PIECE).enumerate() {
             if let Some(pacer) = &shared.pacer {

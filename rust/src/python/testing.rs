@@ -1,12 +1,15 @@
-//! Load generators and yardsticks for `benches/`; not part of the training API.
+//! `phalanx._core._testing`, built with the `testing` feature only: load generators
+//! and yardsticks for `benches/`, and the hook that damages a state server's chunks
+//! for the tests of a heal. None of it is part of the training API.
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use super::runtime::wait;
-use super::seconds;
+use super::state::StateServer;
+use super::{seconds, unsigned};
 use crate::auth::JobToken;
-use crate::state::baseline;
+use crate::state::{baseline, Corruption};
 
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
 /// (seconds from the last request to the last answer, membership changed, quorum id)
@@ -63,9 +66,31 @@ fn bench_raw_tcp(py: Python<'_>, nbytes: usize, connections: usize) -> PyResult<
         .map_err(|e| PyRuntimeError::new_err(format!("raw TCP baseline failed: {e}")))
 }
 
-pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(bench_quorum_rounds, m)?)?;
-    m.add_function(wrap_pyfunction!(bench_heartbeats, m)?)?;
-    m.add_function(wrap_pyfunction!(bench_raw_tcp, m)?)?;
+/// Test hook: `server` flips the byte at `byte % chunk length` of each of the next
+/// `chunks` chunks it sends (checksums stay those of the intact bytes, so the
+/// receiver must notice), as a bad link would.
+#[pyfunction]
+fn damage_next_chunks(server: &Bound<'_, StateServer>, chunks: i64, byte: i64) -> PyResult<()> {
+    let corruption = Corruption {
+        chunks: unsigned("chunks", chunks)?,
+        byte: unsigned("byte", byte)?,
+    };
+    server.get().server()?.damage_next_chunks(corruption);
+    Ok(())
+}
+
+/// Adds `_testing` to `parent` and to `sys.modules`, so that both
+/// `from phalanx._core import _testing` and `import phalanx._core._testing` work.
+pub(super) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = parent.py();
+    let m = PyModule::new(py, "_testing")?;
+    m.add_function(wrap_pyfunction!(bench_quorum_rounds, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_heartbeats, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_raw_tcp, &m)?)?;
+    m.add_function(wrap_pyfunction!(damage_next_chunks, &m)?)?;
+    parent.add_submodule(&m)?;
+    py.import("sys")?
+        .getattr("modules")?
+        .set_item("phalanx._core._testing", &m)?;
     Ok(())
 }
