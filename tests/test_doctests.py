@@ -11,6 +11,12 @@ import pytest
 MODULES = [
     "phalanx",
     "phalanx.manager",
+    "phalanx.settings",
+    "phalanx.step",
+    "phalanx.membership",
+    "phalanx.identity",
+    "phalanx.healing",
+    "phalanx.reachability",
     "phalanx.launcher",
     "phalanx.token",
     "phalanx.recovery",
