@@ -23,7 +23,7 @@ MODULES = [
     "phalanx.process_group",
     "phalanx.store",
     "phalanx.data",
-    "phalanx.forkserver",
+    "phalanx.forkserver.wire",
     "phalanx.demo.model",
     "phalanx.demo.report",
     "phalanx.demo.job",

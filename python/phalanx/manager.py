@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx import _core, transaction
-from phalanx.membership import LossBook, MembershipWatcher
 from phalanx.process_group import CollectiveFailed
 from phalanx.reachability import LighthouseUnreachableError
-from phalanx.services import RankServices
 from phalanx.settings import ManagerSettings, Timeouts, host_port
 from phalanx.step import Handle, Step, StepRecord
 
@@ -40,15 +39,11 @@ __all__ = ["Handle", "LighthouseUnreachableError", "Manager", "StepRecord", "Tim
 class Manager:
     """The step transaction of one rank of a replica group.
 
-    Settings come from the arguments, else from the environment
-    (`phalanx.settings.ManagerSettings.from_env`; or pass `settings=` made by it):
-    `PHALANX_REPLICA_ID`, `PHALANX_LIGHTHOUSE`, `PHALANX_TOKEN`, `PHALANX_DEVICE`,
-    `PHALANX_ADVERTISE_HOST`, and the usual `RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-    `MASTER_PORT` for the group's own ranks: rank 0's manager server listens at
-    MASTER_ADDR:MASTER_PORT and serves the group's rendezvous store there, behind the
-    job token. Every listener of the rank binds the advertised host, never all
-    interfaces. `device` (default cpu) is where the tensors of the cross-group
-    collectives live: NCCL reduces CUDA tensors, gloo CPU ones.
+    Settings come from the arguments, else from the environment (`PHALANX_*`, `RANK`,
+    `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; see `ManagerSettings.from_env`, or
+    pass `settings=` made by it). Rank 0 serves the group's manager server and
+    rendezvous store at MASTER_ADDR:MASTER_PORT, behind the job token. `device`
+    (default cpu) is where the collectives' tensors live: NCCL for CUDA, gloo for CPU.
 
     >>> import phalanx
     >>> with phalanx.LighthouseServer(join_timeout=0.01) as lighthouse, Manager(
@@ -85,18 +80,16 @@ class Manager:
             given = {k: v for k, v in locals().items() if k not in ("self", "settings")}
             settings = ManagerSettings.from_env(**given)
         self.settings = settings
-        self.timeouts = settings.timeouts
         self.replica_id = settings.replica_id
         self.group_rank = settings.group_rank
         self.group_world_size = settings.group_world_size
-        self._rank = transaction.Rank(settings, RankServices.open(settings), LossBook())
+        self._rank = transaction.Rank.open(settings)
         # An attribute of its own so that tests can wrap it (to stop a rank at its vote).
         self._client = self._rank.services.client
         self._pre_commit: list[Callable[[], None]] = []
         #: The step in flight, or the last one once `should_commit()` returned.
         self._step: Step | None = None
         self._closed = False
-        self._watcher = MembershipWatcher(self._client, self._rank.losses)
 
     def register_state(
         self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
@@ -116,7 +109,7 @@ class Manager:
         """Starts this step's quorum in the background; call it before the forward pass."""
         if self._step is not None:
             self._step.finish_collectives()
-        self._step = transaction.begin(self._rank, shrink_only)
+        self._step = transaction.begin(self._rank, shrink_only, self._step)
 
     def allreduce(
         self,
@@ -216,6 +209,16 @@ class Manager:
         return dist.PrefixStore(prefix, self._rank.services.store)
 
     @property
+    def timeouts(self) -> Timeouts:
+        """The deadlines of a step's phases; one set here holds from the next phase on."""
+        return self.settings.timeouts
+
+    @timeouts.setter
+    def timeouts(self, timeouts: Timeouts) -> None:
+        timeouts.validate()
+        self.settings = self._rank.settings = replace(self.settings, timeouts=timeouts)
+
+    @property
     def last_step(self) -> StepRecord:
         """The step in flight, or the last one once `should_commit()` returned."""
         return StepRecord(step=0) if self._step is None else self._step.record
@@ -264,9 +267,7 @@ class Manager:
         self._closed = True
         if self._step is not None:
             self._step.abort.set()
-        self._rank.executor.shutdown(wait=False, cancel_futures=True)
-        self._rank.services.shutdown()
-        self._watcher.stop()
+        self._rank.close()
 
     def __enter__(self) -> Manager:
         return self
@@ -276,7 +277,7 @@ class Manager:
 
     @property
     def _quorum(self) -> _core.QuorumResult | None:
-        return None if self._step is None else self._step.quorum
+        return None if self._step is None else self._step.known_quorum
 
     def _current(self) -> Step:
         if self._step is None:
@@ -284,7 +285,7 @@ class Manager:
         return self._step
 
     def _require_quorum(self) -> _core.QuorumResult:
-        if (quorum := self._quorum) is None:  # set once the step took its quorum
+        if self._step is None or (quorum := self._step.quorum) is None:  # once taken
             raise RuntimeError("no quorum yet this step; call wait_quorum() after start_quorum()")
         return quorum
 

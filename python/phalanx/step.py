@@ -58,7 +58,12 @@ class Step:
     `phalanx.membership`).
     """
 
-    def __init__(self, number: int, quorum: Future[_core.QuorumResult]):
+    def __init__(
+        self,
+        number: int,
+        quorum: Future[_core.QuorumResult],
+        previous: _core.QuorumResult | None = None,
+    ):
         self.number = number
         self.record = StepRecord(step=number)
         self.abort = Abort()
@@ -66,6 +71,8 @@ class Step:
         #: The quorum, once the training thread took it (None: none, or not yet).
         self.quorum: _core.QuorumResult | None = None
         self.resolved = False
+        #: The last step's quorum, which the Manager reports until this one is taken.
+        self.previous_quorum = previous
         #: The step's quorum id as the membership watcher matches losses against it.
         self.quorum_id: int | None = None
         #: This rank's heal failed: it still joins the collectives (with zeros).
@@ -73,6 +80,13 @@ class Step:
         self.handles: list[Handle] = []
         self._failure: str | None = None
         self._lock = threading.Lock()
+
+    @property
+    def known_quorum(self) -> _core.QuorumResult | None:
+        """This step's quorum once taken (None if it failed); before that, the last
+        step's: what a training loop reads between `start_quorum()` and its first
+        collective."""
+        return self.quorum if self.resolved else self.previous_quorum
 
     def fail(self, reason: str) -> bool:
         """Marks the step failed; False when it had failed already."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from phalanx import _core
 from phalanx.healing import StateRegistry, heal_step, tear
 from phalanx.identity import HeldState
-from phalanx.membership import LossBook
+from phalanx.membership import LossBook, MembershipWatcher
 from phalanx.process_group import Membership
 from phalanx.reachability import Reachability
 from phalanx.services import RankServices
@@ -48,13 +48,28 @@ class Rank:
     def __post_init__(self) -> None:
         t = self.settings.timeouts
         self.reach = Reachability(self.settings.replica_id, t.quorum, t.lighthouse)
+        self.watcher: MembershipWatcher | None = None
+
+    @classmethod
+    def open(cls, settings: ManagerSettings) -> Rank:
+        """Opens the rank's servers and connections and starts its membership watcher."""
+        rank = cls(settings, RankServices.open(settings), LossBook())
+        rank.watcher = MembershipWatcher(rank.services.client, rank.losses)
+        return rank
+
+    def close(self) -> None:
+        """Stops the servers and threads and waits for the watcher to end."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.services.shutdown()
+        if self.watcher is not None:
+            self.watcher.stop()
 
     def fail(self, step: Step, reason: str) -> None:
         if step.fail(reason):
             log.warning("step %d failed: %s", self.held.step, reason)
 
 
-def begin(rank: Rank, shrink_only: bool) -> Step:
+def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
     """A new step, its quorum asked for in the background."""
     held, host = rank.held, rank.services.host
     held.new_step()
@@ -69,7 +84,7 @@ def begin(rank: Rank, shrink_only: bool) -> Step:
         held.torn,
         host.refused_requests,
     )
-    step = Step(held.step, asked)
+    step = Step(held.step, asked, None if previous is None else previous.known_quorum)
     rank.losses.follow(step)
     return step
 
