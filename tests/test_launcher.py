@@ -25,9 +25,9 @@ from phalanx.launcher import (
     resolve,
 )
 
-from conftest import TESTS, child_env, http_get, write_token_file
+from conftest import PROCS, TESTS, child_env, http_get, write_token_file
 
-RANK = str(TESTS / "launched_rank.py")
+RANK = str(PROCS / "launched_rank.py")
 
 
 def launch(*args: str, timeout: float = 60.0, env: dict | None = None):
@@ -315,7 +315,7 @@ def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatc
 def test_python_dash_m_on_the_path_is_forked(tmp_path):
     env = child_env()
     env["PATH"] = path_with(tmp_path / "bin", python=sys.executable)
-    env["PYTHONPATH"] = str(TESTS)  # where `-m launched_rank` is found
+    env["PYTHONPATH"] = str(PROCS)  # where `-m launched_rank` is found
 
     done = launch("--", "python", "-m", "launched_rank", "0", "0", env=env)
 

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ import phalanx.recovery
 from phalanx import _core
 from phalanx.recovery import IncompatibleStateError, StateHost, heal
 
-from conftest import Child, wait_until
+from conftest import PROCS, Child, wait_until
 
-STATE_PROCESS = Path(__file__).resolve().parent / "state_process.py"
+STATE_PROCESS = PROCS / "state_process.py"
 TOKEN = "t0k3n"
 
 

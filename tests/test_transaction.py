@@ -17,9 +17,9 @@ import pytest
 
 import phalanx
 
-from conftest import TESTS, Child, free_port
+from conftest import PROCS, Child, free_port
 
-TRAIN = TESTS / "ft_train.py"
+TRAIN = PROCS / "ft_train.py"
 STEPS = 150
 #: How a failed step's reason begins: phalanx's own words, never a backend's raw text.
 PHALANX_WORDS = (
@@ -49,7 +49,7 @@ def start_rank(
     port: int = 0,
     steps: int = STEPS,
 ) -> Child:
-    """Starts tests/ft_train.py as rank `rank` of group `replica_id`, with `options`."""
+    """Starts tests/procs/ft_train.py as rank `rank` of group `replica_id`, with `options`."""
     env = {
         "PHALANX_REPLICA_ID": replica_id,
         "PHALANX_LIGHTHOUSE": lighthouse,
