@@ -583,6 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a fault-tolerant training job: N replica groups of W ranks each.",
         usage="phalanx run [options] -- COMMAND [ARGS...]",
     )
+    _add_group_options(parser)
+    _add_lighthouse_options(parser)
+    _add_access_options(parser)
+    _add_rank_options(parser)
+    return parser
+
+
+def _add_group_options(parser: argparse.ArgumentParser) -> None:
+    """The groups: how many, how big, their ids, their restarts."""
     parser.add_argument(
         "--replicas", type=int, default=1, metavar="N", help="replica groups to start (default: 1)"
     )
@@ -624,6 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait before a group's first restart, doubled on each next (default: 0.5)",
     )
+
+
+def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
+    """The lighthouse served here when no --lighthouse is given."""
     parser.add_argument(
         "--min-replicas",
         type=int,
@@ -645,6 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="silence after which a group is declared dead (lighthouse served here; default: 2s)",
     )
+
+
+def _add_access_options(parser: argparse.ArgumentParser) -> None:
+    """Who may reach the job (its token) and where its groups listen."""
     parser.add_argument(
         "--token",
         help="the job token (default: PHALANX_TOKEN, else a new random one); other "
@@ -669,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address this host's groups' rank 0 listens on for its manager server and "
         "rendezvous store: MASTER_ADDR of the ranks (default: 127.0.0.1)",
     )
+
+
+def _add_rank_options(parser: argparse.ArgumentParser) -> None:
+    """How ranks start, and the failures injected on purpose."""
     parser.add_argument(
         "--chaos",
         action="append",
@@ -691,7 +712,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fork Python ranks from one interpreter that imported torch once, so a "
         "restarted rank starts at once (default: on, for python scripts and modules)",
     )
-    return parser
 
 
 def main(argv: list[str]) -> int:

@@ -281,17 +281,6 @@ def main(argv: list[str]) -> int:
         token = launcher.job_token(None, args.token_file, os.environ)
     except ValueError as e:
         parser.error(str(e))
-    train = [a for a in args.train_args if a != "--"]
-    command = [
-        sys.executable,
-        "-m",
-        "phalanx.demo.train",
-        f"--seed={args.seed}",
-        f"--strategy={args.strategy}",
-        f"--sync-every={args.sync_every}",
-        *train,
-    ]
-
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -302,8 +291,37 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
     )
-    config = launcher.LaunchConfig(
-        command=tuple(command),
+    job = DemoJob(args.replicas, args.out, progress)
+    try:
+        code = launcher.Launcher(launch_config(args), token, observer=job).run(
+            duration=args.duration,
+            chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
+            startup_timeout=STARTUP_TIMEOUT,
+        )
+    finally:
+        job.close()
+    report = write_report(args, job, exited=time.time())
+    return exit_status(report, code, args.out)
+
+
+def training_args(args: argparse.Namespace) -> list[str]:
+    """What the user passed after -- for the training script."""
+    return [a for a in args.train_args if a != "--"]
+
+
+def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
+    """The launch of the demo's groups: its training script, its failures."""
+    command = (
+        sys.executable,
+        "-m",
+        "phalanx.demo.train",
+        f"--seed={args.seed}",
+        f"--strategy={args.strategy}",
+        f"--sync-every={args.sync_every}",
+        *training_args(args),
+    )
+    return launcher.LaunchConfig(
+        command=command,
         replicas=args.replicas,
         nproc_per_replica=args.nproc_per_replica,
         chaos=launcher.Chaos(
@@ -312,17 +330,10 @@ def main(argv: list[str]) -> int:
         chaos_seed=args.seed,
         max_restarts=3,  # failures not injected: a broken setup gives up soon
     )
-    job = DemoJob(args.replicas, args.out, progress)
-    try:
-        code = launcher.Launcher(config, token, observer=job).run(
-            duration=args.duration,
-            chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
-            startup_timeout=STARTUP_TIMEOUT,
-        )
-    finally:
-        job.close()
-    exited = time.time()
 
+
+def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[str, Any]:
+    """Prints the summary and writes the report's files; returns the report."""
     report = analyze(
         job.steps,
         job.events,
@@ -340,7 +351,7 @@ def main(argv: list[str]) -> int:
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,
-        "train_args": train,
+        "train_args": training_args(args),
     }
     # The summary reaches the terminal whatever the disk allows.
     print(summary_table(report))
@@ -355,7 +366,7 @@ def main(argv: list[str]) -> int:
         f"report in {args.out}/: report.json, report.png; step log steps.jsonl; launcher "
         "events events.jsonl; rank output ranks.log"
     )
-    return exit_status(report, code, args.out)
+    return report
 
 
 def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:
