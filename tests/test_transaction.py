@@ -186,7 +186,7 @@ def test_a_group_whose_rank_dies_never_commits_the_step(spawn, lighthouse):
 
 
 def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
-    """Group a commits a step alone, then b joins (and must heal from a) with
+    """Group a commits four steps alone, then b joins (and must heal from a) with
     `b_options` for its Manager; a goes on until b has run one step. Returns each
     group's (committed, seconds, failure) per step, or b's exception."""
     import threading
@@ -196,7 +196,7 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
     import phalanx
 
     b_done = threading.Event()
-    a_committed = threading.Event()
+    a_trained = threading.Event()
     out: dict = {}
 
     def group(name: str, width: int, options: dict) -> None:
@@ -212,8 +212,8 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
                 manager.allreduce(torch.ones(3)).wait()
                 committed = manager.should_commit()
                 results.append((committed, time.monotonic() - started, manager.failure))
-                if name == "a" and committed:
-                    a_committed.set()
+                if name == "a" and sum(c for c, _, _ in results) > 3:
+                    a_trained.set()
                 if name == "b" or (b_done.is_set() and len(results) > 3):
                     break
                 time.sleep(0.05)
@@ -227,8 +227,9 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
     a_options = {"timeout": 40.0, "collective_timeout": 20.0}
     a = threading.Thread(target=group, args=("a", 3, a_options))
     a.start()
-    # a commits alone first, so b must heal from it.
-    a_committed.wait(30)
+    # a commits a few steps alone first, so b must heal from it, and a has run more
+    # steps than it waits for once b is done.
+    a_trained.wait(30)
     b = threading.Thread(target=group, args=("b", b_width, {**a_options, **b_options}))
     b.start()
     a.join(60)

@@ -117,10 +117,11 @@ def take_quorum(rank: Rank, step: Step) -> None:
 
 def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
     """Builds the quorum's process group, then heals or serves the healers."""
-    membership = Membership(
-        quorum.store_address, quorum.store_prefix, quorum.replica_rank, quorum.replica_world_size
-    )
+    q = quorum
     try:
+        membership = Membership(
+            q.store_address, q.store_prefix, q.replica_rank, q.replica_world_size
+        )
         rank.services.process_group.configure(membership, rank.settings.backend)
     except (RuntimeError, ValueError, dist.DistError) as e:
         return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
