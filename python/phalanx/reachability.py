@@ -2,18 +2,21 @@
 timeout it gives up rather than run steps that can never commit. A request that
 reached a lighthouse and timed out waiting for its peers is not a lost lighthouse.
 
->>> reach = Reachability("a", quorum_timeout=30.0, lighthouse_timeout=60.0)
->>> reach.failed(ConnectionError("refused"), now=100.0)   # counts from 70.0
->>> reach.failed(ConnectionError("refused"), now=131.0)
+>>> from phalanx.settings import Timeouts
+>>> reach, timeouts = Reachability("a"), Timeouts.from_budget(30.0, lighthouse=60.0)
+>>> reach.failed(ConnectionError("refused"), timeouts, now=100.0)   # counts from 70.0
+>>> reach.failed(ConnectionError("refused"), timeouts, now=131.0)
 Traceback (most recent call last):
 ...
 phalanx.reachability.LighthouseUnreachableError: replica group 'a' reached no lighthouse ...
->>> reach.failed(TimeoutError("peers late"), now=132.0)   # it was reached
+>>> reach.failed(TimeoutError("peers late"), timeouts, now=132.0)   # it was reached
 """
 
 from __future__ import annotations
 
 import time
+
+from phalanx.settings import Timeouts
 
 
 class LighthouseUnreachableError(ConnectionError):
@@ -22,17 +25,15 @@ class LighthouseUnreachableError(ConnectionError):
 
 
 class Reachability:
-    def __init__(self, replica_id: str, quorum_timeout: float, lighthouse_timeout: float):
+    def __init__(self, replica_id: str):
         self._replica_id = replica_id
-        self._quorum_timeout = quorum_timeout
-        self._lighthouse_timeout = lighthouse_timeout
         #: Since when no quorum request reached a lighthouse (None: the last one did).
         self._unreachable_since: float | None = None
 
     def reached(self) -> None:
         self._unreachable_since = None
 
-    def failed(self, error: Exception, now: float | None = None) -> None:
+    def failed(self, error: Exception, timeouts: Timeouts, now: float | None = None) -> None:
         """A quorum request failed with `error`; raises LighthouseUnreachableError once
         no lighthouse was reached for longer than the lighthouse timeout."""
         if not isinstance(error, ConnectionError):
@@ -41,9 +42,9 @@ class Reachability:
         now = time.monotonic() if now is None else now
         if self._unreachable_since is None:
             # The failed request itself waited up to the quorum timeout.
-            self._unreachable_since = now - self._quorum_timeout
+            self._unreachable_since = now - timeouts.quorum
         lost_for = now - self._unreachable_since
-        if lost_for > self._lighthouse_timeout:
+        if lost_for > timeouts.lighthouse:
             raise LighthouseUnreachableError(
                 f"replica group {self._replica_id!r} reached no lighthouse for {lost_for:.0f} s "
                 f"(last error: {error}). Start the lighthouse again on its address (the job "

@@ -46,8 +46,7 @@ class Rank:
     )
 
     def __post_init__(self) -> None:
-        t = self.settings.timeouts
-        self.reach = Reachability(self.settings.replica_id, t.quorum, t.lighthouse)
+        self.reach = Reachability(self.settings.replica_id)
         self.watcher: MembershipWatcher | None = None
 
     @classmethod
@@ -103,7 +102,7 @@ def take_quorum(rank: Rank, step: Step) -> None:
         # of range): asking again cannot help, so the training loop hears of it.
         raise ValueError(f"replica group {rank.settings.replica_id!r} cannot join: {e}") from e
     except Exception as e:  # the quorum call's own deadline bounds this wait
-        rank.reach.failed(e)
+        rank.reach.failed(e, rank.settings.timeouts)
         return rank.fail(step, f"no quorum: {e}")
     finally:
         step.record.quorum_s = time.monotonic() - started
