@@ -218,7 +218,11 @@ class LaunchConfig:
 
 class LaunchObserver:
     """What a launcher tells whoever watches it; this one prints to stdout, as
-    `phalanx run` does. A watcher (the demo) overrides what it wants to see."""
+    `phalanx run` does. A watcher (the demo) overrides what it wants to see.
+
+    >>> LaunchObserver().say("lighthouse at 127.0.0.1:29510")
+    [phalanx run] lighthouse at 127.0.0.1:29510
+    """
 
     def say(self, text: str) -> None:
         """A line of the launcher's own."""
