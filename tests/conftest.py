@@ -23,7 +23,11 @@ import pytest
 import phalanx
 
 TESTS = Path(__file__).resolve().parent
-GROUP_PROCESS = TESTS / "group_process.py"
+#: The processes the tests start (training ranks, state sources, probes). Tests also
+#: import their helpers (a model, a state digest), so the folder is on the path.
+PROCS = TESTS / "procs"
+sys.path.insert(0, str(PROCS))
+GROUP_PROCESS = PROCS / "group_process.py"
 
 # Short enough that a failure is seen in well under a second, long enough for 2 cores.
 JOIN_TIMEOUT = 0.2
@@ -202,7 +206,7 @@ def spawn() -> Iterator[Callable[..., Child]]:
 
 @pytest.fixture
 def start_group(spawn: Callable[..., Child]) -> Callable[..., Child]:
-    """Starts tests/group_process.py: one replica group (W=1) stepping in a loop."""
+    """Starts tests/procs/group_process.py: one replica group (W=1) stepping in a loop."""
 
     def start(replica_id: str, lighthouse_address: str, *extra: str) -> Child:
         argv = [

@@ -44,9 +44,9 @@ from phalanx.quantize import (
     shared_scales,
 )
 
-from conftest import JOIN_TIMEOUT, TESTS, Child
+from conftest import JOIN_TIMEOUT, PROCS, TESTS, Child
 
-DILOCO_PROCESS = TESTS / "diloco_process.py"
+DILOCO_PROCESS = PROCS / "diloco_process.py"
 CORPUS = TESTS.parent / "python" / "phalanx" / "demo" / "corpus" / "genesis.txt"
 
 

@@ -14,7 +14,7 @@ import pytest
 import phalanx
 from test_transaction import assert_bit_identical, start_rank
 
-from conftest import TESTS, http_get
+from conftest import PROCS, http_get
 
 #: Idle connections held against each listener.
 FLOOD = 20_000
@@ -61,7 +61,7 @@ def test_a_killed_group_rejoins_and_heals_while_idle_connections_flood_the_job(s
             "flood",
             [
                 sys.executable,
-                str(TESTS / "idle_flood.py"),
+                str(PROCS / "idle_flood.py"),
                 str(FLOOD),
                 lighthouse.address,
                 state_address,

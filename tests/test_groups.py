@@ -1,6 +1,6 @@
 """Replica groups as real processes, killed, hung and cut off from their lighthouse.
 
-Each group is tests/group_process.py: a manager server and a W=1 step loop. The
+Each group is tests/procs/group_process.py: a manager server and a W=1 step loop. The
 lighthouse runs in the test process, except where it is itself killed and restarted.
 """
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TESTS, Child, child_env, wait_until, write_token_file
+from conftest import PROCS, TESTS, Child, child_env, wait_until, write_token_file
 
 #: Used only inside the namespaces made here, which nothing else can reach.
 SUBNET = "10.77.0"
@@ -221,7 +221,7 @@ def listeners(host: Host) -> list[str]:
 
 def probe(host: Host, *argv: str) -> str:
     done = subprocess.run(
-        host.command([sys.executable, str(TESTS / "netns_probe.py"), *argv]),
+        host.command([sys.executable, str(PROCS / "netns_probe.py"), *argv]),
         capture_output=True,
         text=True,
         timeout=60,
@@ -250,7 +250,7 @@ def test_another_host_without_the_token_is_refused_by_every_plane_and_counted(
     launcher = [sys.executable, "-m", "phalanx", "run", "--replicas", "1"]
     launcher += ["--nproc-per-replica", "2", "--replica-id", "group-a"]
     launcher += ["--lighthouse", lighthouse_address, "--token-file", str(token_file)]
-    launcher += ["--master-addr", home.address, "--", sys.executable, str(TESTS / "ft_train.py")]
+    launcher += ["--master-addr", home.address, "--", sys.executable, str(PROCS / "ft_train.py")]
     launcher += ["--steps", "100000", "--timeout", "10"]
     job = spawn("group-a", home.command(launcher), {"PHALANX_ADVERTISE_HOST": home.address})
 

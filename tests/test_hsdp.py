@@ -21,9 +21,9 @@ import torch.distributed as dist
 import phalanx
 from phalanx.recovery import IncompatibleStateError, StateHost, heal
 
-from conftest import TESTS, Child, child_env, free_port
+from conftest import PROCS, TESTS, Child, child_env, free_port
 
-HSDP_PROCESS = TESTS / "hsdp_process.py"
+HSDP_PROCESS = PROCS / "hsdp_process.py"
 
 
 def start_group(

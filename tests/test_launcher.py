@@ -15,11 +15,19 @@ from collections.abc import Iterator
 import pytest
 
 import phalanx
-from phalanx.launcher import build_parser, rank_mode, resolve
+from phalanx.launcher import (
+    Chaos,
+    LaunchConfig,
+    Launcher,
+    LaunchObserver,
+    build_parser,
+    rank_mode,
+    resolve,
+)
 
-from conftest import TESTS, child_env, http_get, write_token_file
+from conftest import PROCS, TESTS, child_env, http_get, write_token_file
 
-RANK = str(TESTS / "launched_rank.py")
+RANK = str(PROCS / "launched_rank.py")
 
 
 def launch(*args: str, timeout: float = 60.0, env: dict | None = None):
@@ -307,7 +315,7 @@ def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatc
 def test_python_dash_m_on_the_path_is_forked(tmp_path):
     env = child_env()
     env["PATH"] = path_with(tmp_path / "bin", python=sys.executable)
-    env["PYTHONPATH"] = str(TESTS)  # where `-m launched_rank` is found
+    env["PYTHONPATH"] = str(PROCS)  # where `-m launched_rank` is found
 
     done = launch("--", "python", "-m", "launched_rank", "0", "0", env=env)
 
@@ -380,3 +388,58 @@ def test_every_option_of_phalanx_run_says_what_it_does_and_its_default():
     for action in build_parser()._actions:
         if action.dest != "help":
             assert action.help and "default" in action.help, action.option_strings
+
+
+class Recorder(LaunchObserver):
+    """Keeps what the launcher tells its observer."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+        self.lines: list[tuple[str, int, bytes]] = []
+        self.events: list[tuple[str, str]] = []
+
+    def say(self, text: str) -> None:
+        self.said.append(text)
+
+    def rank_line(self, group, rank: int, line: bytes) -> None:
+        self.lines.append((group.replica_id, rank, line))
+
+    def group_event(self, kind: str, group) -> None:
+        self.events.append((kind, group.replica_id))
+
+
+@pytest.fixture
+def signal_handlers() -> Iterator[None]:
+    """The launcher takes SIGINT and SIGTERM; the test process gets them back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_an_observer_hears_the_groups_and_every_line_of_their_ranks(signal_handlers):
+    config = LaunchConfig(
+        command=(sys.executable, "-c", "print('hello')"), replicas=2, fork_server=False
+    )
+    recorder = Recorder()
+
+    assert Launcher(config, "t0k3n", observer=recorder).run() == 0
+
+    assert sorted(recorder.lines) == [("group0", 0, b"hello"), ("group1", 0, b"hello")]
+    assert [e for e in recorder.events if e[0] == "start"] == [
+        ("start", "group0"),
+        ("start", "group1"),
+    ]
+    assert any(text.startswith("lighthouse at 127.0.0.1:") for text in recorder.said)
+    assert "group0 finished" in recorder.said
+
+
+def test_the_launch_config_is_the_command_line_typed():
+    args = build_parser().parse_args(["--replicas", "2", "--chaos", "kill-every=15s"])
+    config = LaunchConfig.from_args(args, ["train.py", "--lr", "0.1"])
+
+    assert config.command == (sys.executable, "train.py", "--lr", "0.1")
+    assert config.chaos == Chaos(kill_every=15.0)
+    assert config.replica_ids() == ["group0", "group1"]
+    with pytest.raises(ValueError, match="--replicas and --nproc-per-replica"):
+        LaunchConfig(command=("x",), replicas=0)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from conftest import TESTS, child_env
+from conftest import PROCS, TESTS, child_env
 
-TRAIN = str(TESTS / "ft_train.py")
+TRAIN = str(PROCS / "ft_train.py")
 QUORUM_TIMEOUT = 1.0
 LIGHTHOUSE_TIMEOUT = 3.0
 

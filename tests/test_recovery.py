@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +21,9 @@ from phalanx import _core
 from phalanx._core import _testing
 from phalanx.recovery import IncompatibleStateError, StateHost, heal
 
-from conftest import Child
+from conftest import PROCS, Child, wait_until
 
-STATE_PROCESS = Path(__file__).resolve().parent / "state_process.py"
+STATE_PROCESS = PROCS / "state_process.py"
 TOKEN = "t0k3n"
 
 
@@ -200,20 +199,22 @@ def test_a_damaged_chunk_is_caught_and_fetched_again():
 
 
 def test_close_waits_for_transfers_in_flight_then_cuts_them():
-    served = {"m": {"w": torch.randn(2_000_000)}}  # 8 MB at 4 MB/s
-    with StateHost(bind="127.0.0.1:0", max_bytes_per_s=4e6) as host:
+    # 24 MB at 16 MB/s over one connection: six chunks of a quarter second each.
+    served = {"m": {"w": torch.randn(6_000_000)}}
+    with StateHost(bind="127.0.0.1:0", max_bytes_per_s=16e6) as host:
         host.open(1, 1, served)
         errors = []
 
         def healing() -> None:
             try:
-                heal([host.address], 1, 1, {"m": {}}, timeout=10.0)
+                heal([host.address], 1, 1, {"m": {}}, timeout=10.0, connections_per_source=1)
             except ConnectionError as e:
                 errors.append(e)
 
         thread = threading.Thread(target=healing)
         thread.start()
-        time.sleep(0.3)
+        # The first chunk went out: the transfer is under way, five chunks to go.
+        wait_until(lambda: host.served_bytes > 0, 10.0, "the first chunk is sent")
         started = time.monotonic()
         assert host.close(timeout=0.1) >= 1
         assert time.monotonic() - started < 1.5
@@ -255,9 +256,10 @@ def test_a_heal_into_a_fresh_process_is_bit_identical(spawn):
 
 @pytest.mark.slow
 def test_a_source_killed_mid_heal_is_replaced_by_the_others(spawn):
-    # 16 MB at 8 MB/s from each of three sources: about 0.7 s, killed after 0.25 s.
-    flags = ("--ballast-mb", "16", "--max-bytes-per-s", "8e6")
-    sources = start_sources(spawn, 3, *flags)
+    # 48 MB from three sources, each at 16 MB/s over one connection: four chunks each,
+    # a quarter second a chunk. The victim is killed once it has sent its first one.
+    flags = ("--ballast-mb", "48", "--max-bytes-per-s", "16e6")
+    sources = start_sources(spawn, 3, *flags, "--announce-served")
     expected = sources[0][1]["hash"]
     addresses = [line["address"] for _, line in sources]
     victim = sources[1][0]
@@ -265,20 +267,26 @@ def test_a_source_killed_mid_heal_is_replaced_by_the_others(spawn):
     from state_process import build, registered, state_hash
 
     model, optimizer = build(seed=1)
-    mine = registered(model, optimizer, {"step": 0, "ballast": torch.zeros(4_000_000)})
+    mine = registered(model, optimizer, {"step": 0, "ballast": torch.zeros(12_000_000)})
     outcome: dict = {}
 
     def healing() -> None:
         try:
             outcome["state"] = heal(
-                addresses, 3, 5, mine, timeout=30.0, report=lambda s: outcome.update(stats=s)
+                addresses,
+                3,
+                5,
+                mine,
+                timeout=30.0,
+                connections_per_source=1,
+                report=lambda s: outcome.update(stats=s),
             )
         except Exception as e:  # reported below, with the stats
             outcome["error"] = e
 
     thread = threading.Thread(target=healing)
     thread.start()
-    time.sleep(0.25)
+    victim.expect(lambda line: line.get("event") == "served", 30.0, "the victim sends a chunk")
     victim.signal(signal.SIGKILL)
     thread.join(timeout=30.0)
     assert "error" not in outcome, outcome.get("error")

@@ -18,9 +18,9 @@ import pytest
 
 import phalanx
 
-from conftest import TESTS, Child, free_port, http_get
+from conftest import PROCS, Child, free_port, http_get
 
-TRAIN = TESTS / "ft_train.py"
+TRAIN = PROCS / "ft_train.py"
 STEPS = 150
 #: How a failed step's reason begins: phalanx's own words, never a backend's raw text.
 PHALANX_WORDS = (
@@ -50,7 +50,7 @@ def start_rank(
     port: int = 0,
     steps: int = STEPS,
 ) -> Child:
-    """Starts tests/ft_train.py as rank `rank` of group `replica_id`, with `options`."""
+    """Starts tests/procs/ft_train.py as rank `rank` of group `replica_id`, with `options`."""
     env = {
         "PHALANX_REPLICA_ID": replica_id,
         "PHALANX_LIGHTHOUSE": lighthouse,
@@ -177,24 +177,26 @@ def test_two_groups_of_two_ranks_survive_a_group_kill(spawn, lighthouse):
 
 def test_a_group_whose_rank_dies_never_commits_the_step(spawn, lighthouse):
     port = free_port()
+    # Short deadlines (rank 1's missing vote and quorum request run into them), so that
+    # the test can watch rank 0 end two whole steps after the kill.
+    group = {"world_size": 2, "port": port, "steps": 1000}
     ranks = [
-        start_rank(spawn, lighthouse.address, "solo", rank=r, world_size=2, port=port, steps=1000)
+        start_rank(spawn, lighthouse.address, "solo", "--timeout", "4", **group, rank=r)
         for r in (0, 1)
     ]
     ranks[0].expect(lambda line: line.get("after", 0) >= 3, 60, "the group commits steps")
     ranks[1].signal(signal.SIGKILL)
     killed_at = time.time()
     # Whatever rank 0 does from now on, it commits nothing: rank 1's vote is missing.
-    ranks[0].expect(
-        lambda line: line.get("event") == "step" and line["t"] > killed_at, 30, "a step ends"
-    )
-    time.sleep(2.0)
+    ends = lambda line: line.get("event") == "step" and line["t"] > killed_at  # noqa: E731
+    ranks[0].expect(lambda line: ends(line) and not line["committed"], 30, "a step fails")
+    ranks[0].expect(ends, 30, "the next step ends")
     late = [line for line in committed(ranks[0]) if line["t"] > killed_at + 0.5]
     assert late == [], f"committed without rank 1: {late}"
 
 
 def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
-    """Group a trains alone for a second, then b joins (and must heal from a) with
+    """Group a commits four steps alone, then b joins (and must heal from a) with
     `b_options` for its Manager; a goes on until b has run one step. Returns each
     group's (committed, seconds, failure) per step, or b's exception."""
     import threading
@@ -204,6 +206,7 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
     import phalanx
 
     b_done = threading.Event()
+    a_trained = threading.Event()
     out: dict = {}
 
     def group(name: str, width: int, options: dict) -> None:
@@ -219,6 +222,8 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
                 manager.allreduce(torch.ones(3)).wait()
                 committed = manager.should_commit()
                 results.append((committed, time.monotonic() - started, manager.failure))
+                if name == "a" and sum(c for c, _, _ in results) > 3:
+                    a_trained.set()
                 if name == "b" or (b_done.is_set() and len(results) > 3):
                     break
                 time.sleep(0.05)
@@ -232,7 +237,9 @@ def run_two_groups(lighthouse, b_options: dict, b_width: int = 3) -> dict:
     a_options = {"timeout": 40.0, "collective_timeout": 20.0}
     a = threading.Thread(target=group, args=("a", 3, a_options))
     a.start()
-    time.sleep(1.0)  # a commits alone first, so b must heal from it
+    # a commits a few steps alone first, so b must heal from it, and a has run more
+    # steps than it waits for once b is done.
+    a_trained.wait(30)
     b = threading.Thread(target=group, args=("b", b_width, {**a_options, **b_options}))
     b.start()
     a.join(60)

@@ -81,18 +81,17 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
     )
 
 
-def job_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+def job_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
     """The job's token: the one given (--token, --token-file, PHALANX_TOKEN,
     PHALANX_TOKEN_FILE), else a new random one, so that no job runs open. ValueError
     (what to fix) for a token given wrong.
 
-    >>> args = argparse.Namespace(token=None, token_file=None)
-    >>> job_token(args, {"PHALANX_TOKEN": "given"})
+    >>> job_token(None, None, {"PHALANX_TOKEN": "given"})
     'given'
-    >>> len(job_token(args, {})) >= 43
+    >>> len(job_token(None, None, {})) >= 43
     True
     """
-    return resolve_token(args.token, args.token_file, environ) or new_token()
+    return resolve_token(token, token_file, environ) or new_token()
 
 
 def status_page_line(url: str, token: str, terminal: bool) -> str:
@@ -112,7 +111,7 @@ def status_page_line(url: str, token: str, terminal: bool) -> str:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chaos:
     """Failures injected on purpose: SIGKILL a random live group every `kill_every`
     seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later."""
@@ -127,7 +126,7 @@ class Chaos:
         >>> Chaos.parse(["kill-every=15s", "hang-every=1m,hang-for=3s"])
         Chaos(kill_every=15.0, hang_every=60.0, hang_for=3.0)
         """
-        chaos = cls()
+        given: dict[str, float] = {}
         for spec in specs:
             for item in spec.split(","):
                 key, sep, value = item.partition("=")
@@ -137,8 +136,112 @@ class Chaos:
                         f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION "
                         "or hang-for=DURATION"
                     )
-                setattr(chaos, name, parse_duration(value))
-        return chaos
+                given[name] = parse_duration(value)
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What `phalanx run` is asked to do, checked: the command line's options, typed.
+
+    >>> config = LaunchConfig(command=("python", "train.py"), replicas=2)
+    >>> config.replica_ids(), config.chaos
+    (['group0', 'group1'], Chaos(kill_every=None, hang_every=None, hang_for=5.0))
+    >>> LaunchConfig(command=("train.sh",), replicas=1, replica_id="host7").replica_ids()
+    ['host7']
+    >>> LaunchConfig(command=())
+    Traceback (most recent call last):
+    ...
+    ValueError: give the training command after --, e.g. -- train.py --lr 0.1
+    """
+
+    #: The training command each rank runs.
+    command: tuple[str, ...]
+    replicas: int = 1
+    nproc_per_replica: int = 1
+    #: The lighthouse of a job that spans hosts; None: serve one here.
+    lighthouse: str | None = None
+    #: Where the lighthouse served here listens, and its options.
+    lighthouse_bind: str = "127.0.0.1:0"
+    min_replicas: int = 1
+    join_timeout: float = 1.0
+    heartbeat_timeout: float = 2.0
+    #: The group's id; with several replicas, the prefix of their ids.
+    replica_id: str | None = None
+    max_restarts: int = 10
+    restart_backoff: float = 0.5
+    #: MASTER_ADDR of the ranks: where each group's rank 0 listens.
+    master_addr: str = "127.0.0.1"
+    chaos: Chaos = field(default_factory=Chaos)
+    chaos_seed: int = 0
+    fork_server: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("give the training command after --, e.g. -- train.py --lr 0.1")
+        if self.replicas < 1 or self.nproc_per_replica < 1:
+            raise ValueError("--replicas and --nproc-per-replica must be at least 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, command: list[str]) -> LaunchConfig:
+        """The config of parsed `phalanx run` options; ValueError for a bad one."""
+        if command and command[0].endswith(".py"):
+            command = [sys.executable, *command]
+        return cls(
+            command=tuple(command),
+            replicas=args.replicas,
+            nproc_per_replica=args.nproc_per_replica,
+            lighthouse=args.lighthouse,
+            lighthouse_bind=args.lighthouse_bind,
+            min_replicas=args.min_replicas,
+            join_timeout=args.join_timeout,
+            heartbeat_timeout=args.heartbeat_timeout,
+            replica_id=args.replica_id,
+            max_restarts=args.max_restarts,
+            restart_backoff=args.restart_backoff,
+            master_addr=args.master_addr,
+            chaos=Chaos.parse(args.chaos),
+            chaos_seed=args.chaos_seed,
+            fork_server=args.fork_server,
+        )
+
+    def replica_ids(self) -> list[str]:
+        if self.replicas == 1 and self.replica_id:
+            return [self.replica_id]
+        prefix = self.replica_id or "group"
+        return [f"{prefix}{i}" for i in range(self.replicas)]
+
+
+class LaunchObserver:
+    """What a launcher tells whoever watches it; this one prints to stdout, as
+    `phalanx run` does. A watcher (the demo) overrides what it wants to see.
+
+    >>> LaunchObserver().say("lighthouse at 127.0.0.1:29510")
+    [phalanx run] lighthouse at 127.0.0.1:29510
+    """
+
+    def say(self, text: str) -> None:
+        """A line of the launcher's own."""
+        print(f"[phalanx run] {text}", flush=True)
+
+    def status_page(self, url: str, token: str | None) -> None:
+        """Where the embedded lighthouse's status page is."""
+        self.say(status_page_line(url, token or "", terminal=sys.stdout.isatty()))
+
+    def rank_line(self, group: Group, rank: int, line: bytes) -> None:
+        """A line of a rank's output."""
+        sys.stdout.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
+        sys.stdout.flush()
+
+    def group_event(self, kind: str, group: Group) -> None:
+        """Called on "start", "kill", "hang", "resume" and "exit" of a group, and on
+        "stop" of each group still running when the job ends (just before its ranks
+        are told to stop)."""
+
+    def trains(self) -> bool:
+        """Whether the job trains yet: the clocks of --chaos and of `run(duration)`
+        start then. A watcher that reads its ranks' steps (the demo) says when."""
+        return True
 
 
 @dataclass
@@ -177,22 +280,22 @@ def _free_port() -> int:
 
 
 class Launcher:
-    def __init__(self, args: argparse.Namespace, command: list[str], token: str | None):
-        self.args = args
-        self.command = command
+    """Runs a job's replica groups as `config` says, telling `observer` what happens."""
+
+    def __init__(
+        self, config: LaunchConfig, token: str | None, observer: LaunchObserver | None = None
+    ):
+        self.config = config
+        self.command = list(config.command)
         #: The job token, given or made up (`job_token`): every rank and the embedded
         #: lighthouse get it. None only with --insecure and an outside lighthouse.
         self.token = token
-        self.rng = random.Random(args.chaos_seed)
-        self.chaos = Chaos.parse(args.chaos)
+        self.observer = observer or LaunchObserver()
+        self.rng = random.Random(config.chaos_seed)
+        self.chaos = config.chaos
         self.lighthouse_server: _core.LighthouseServer | None = None
-        self.lighthouse = args.lighthouse
-        if args.replicas == 1 and args.replica_id:
-            ids = [args.replica_id]
-        else:
-            prefix = args.replica_id or "group"
-            ids = [f"{prefix}{i}" for i in range(args.replicas)]
-        self.groups = [Group(replica_id) for replica_id in ids]
+        self.lighthouse = config.lighthouse
+        self.groups = [Group(replica_id) for replica_id in config.replica_ids()]
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.fork_server: ForkServer | None = None
@@ -200,21 +303,7 @@ class Launcher:
         self.next_hang: float | None = None
 
     def say(self, text: str) -> None:
-        print(f"[phalanx run] {text}", flush=True)
-
-    def show_status_page(self, url: str) -> None:
-        """Tells where the embedded lighthouse's status page is."""
-        self.say(status_page_line(url, self.token, terminal=sys.stdout.isatty()))
-
-    def trains(self) -> bool:
-        """Whether the job trains yet: the clocks of --chaos and of `run(duration)`
-        start then. A launcher that reads its ranks' steps (the demo) says when."""
-        return True
-
-    def on_event(self, kind: str, group: Group) -> None:
-        """Called on "start", "kill", "hang", "resume" and "exit" of a group, and on
-        "stop" of each group still running when the job ends (just before its ranks
-        are told to stop); a subclass that watches the job (the demo) listens here."""
+        self.observer.say(text)
 
     # -- processes ----------------------------------------------------------------
 
@@ -249,7 +338,7 @@ class Launcher:
 
     def start_group(self, group: Group) -> None:
         port = _free_port()
-        world = self.args.nproc_per_replica
+        world = self.config.nproc_per_replica
         group.procs = []
         # The token reaches the ranks as text; a token file of the launcher's, too.
         inherited = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
@@ -259,7 +348,7 @@ class Launcher:
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world),
-                "MASTER_ADDR": self.args.master_addr,
+                "MASTER_ADDR": self.config.master_addr,
                 "MASTER_PORT": str(port),
                 "PHALANX_LIGHTHOUSE": self.lighthouse,
                 "PHALANX_REPLICA_ID": group.replica_id,
@@ -274,7 +363,7 @@ class Launcher:
             f"started {group.replica_id} ({world} rank(s), {how}, pids "
             f"{', '.join(str(p.pid) for p in group.procs)})"
         )
-        self.on_event("start", group)
+        self.observer.group_event("start", group)
 
     def signal_group(self, group: Group, signum: int) -> None:
         for p in group.procs:
@@ -319,11 +408,7 @@ class Launcher:
                 if output.group is None:
                     self.say(f"fork server: {line.decode(errors='replace')}")
                 else:
-                    self.emit(output.group, output.rank, line)
-
-    def emit(self, group: Group, rank: int, line: bytes) -> None:
-        sys.stdout.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
-        sys.stdout.flush()
+                    self.observer.rank_line(output.group, output.rank, line)
 
     # -- the loop -----------------------------------------------------------------
 
@@ -343,13 +428,13 @@ class Launcher:
             elif any(c not in (None, 0) for c in codes):
                 self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
                 self.stop_groups([group])
-                self.on_event("exit", group)
+                self.observer.group_event("exit", group)
                 if group.chaos_killed:
                     group.chaos_killed = False
-                    group.restart_at = now + self.args.restart_backoff
+                    group.restart_at = now + self.config.restart_backoff
                     self.say(f"restarting {group.replica_id} (killed by chaos)")
                     continue
-                if group.restarts >= self.args.max_restarts:
+                if group.restarts >= self.config.max_restarts:
                     group.given_up = True
                     self.say(f"{group.replica_id} gave up after {group.restarts} restart(s)")
                     continue
@@ -360,7 +445,7 @@ class Launcher:
                         f"{self.lighthouse} cannot be reached; start it again, then this job"
                     )
                     continue
-                backoff = min(10.0, self.args.restart_backoff * 2**group.restarts)
+                backoff = min(10.0, self.config.restart_backoff * 2**group.restarts)
                 group.restarts += 1
                 group.restart_at = now + backoff
                 self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
@@ -393,7 +478,7 @@ class Launcher:
                 self.say(f"chaos: SIGKILL {victim.replica_id}")
                 victim.chaos_killed = True
                 self.signal_group(victim, signal.SIGKILL)
-                self.on_event("kill", victim)
+                self.observer.group_event("kill", victim)
         if self.chaos.hang_every and now >= self.next_hang:
             self.next_hang = now + self.chaos.hang_every
             if live:
@@ -401,13 +486,13 @@ class Launcher:
                 victim.stopped_until = now + self.chaos.hang_for
                 self.say(f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s")
                 self.signal_group(victim, signal.SIGSTOP)
-                self.on_event("hang", victim)
+                self.observer.group_event("hang", victim)
         for group in self.groups:
             if group.stopped_until is not None and now >= group.stopped_until:
                 group.stopped_until = None
                 self.say(f"chaos: SIGCONT {group.replica_id}")
                 self.signal_group(group, signal.SIGCONT)
-                self.on_event("resume", group)
+                self.observer.group_event("resume", group)
 
     def run(
         self,
@@ -431,19 +516,19 @@ class Launcher:
     def _start(self) -> None:
         if not self.lighthouse:
             self.lighthouse_server = _core.LighthouseServer(
-                bind=self.args.lighthouse_bind,
-                min_replicas=self.args.min_replicas,
-                join_timeout=self.args.join_timeout,
-                heartbeat_timeout=self.args.heartbeat_timeout,
+                bind=self.config.lighthouse_bind,
+                min_replicas=self.config.min_replicas,
+                join_timeout=self.config.join_timeout,
+                heartbeat_timeout=self.config.heartbeat_timeout,
                 token=self.token,
             )
             self.lighthouse = self.lighthouse_server.address
             self.say(f"lighthouse at {self.lighthouse}")
-            self.show_status_page(self.lighthouse_server.status_url)
+            self.observer.status_page(self.lighthouse_server.status_url, self.token)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self.command = resolve(self.command)
-        forked, why = rank_mode(self.command, self.args.fork_server)
+        forked, why = rank_mode(self.command, self.config.fork_server)
         self.say(f"ranks: {why}")
         if forked:
             self.fork_server = ForkServer()
@@ -460,7 +545,7 @@ class Launcher:
         while not self.stopping:
             self.drain(0.1)
             now = time.monotonic()
-            if trains_since is None and self.trains():
+            if trains_since is None and self.observer.trains():
                 trains_since = now
             if trains_since is None and now - start > startup_timeout:
                 self.say(f"no group trained within {startup_timeout:g} s; stopping")
@@ -480,7 +565,7 @@ class Launcher:
     def _shut_down(self) -> None:
         for group in self.groups:
             if group.alive:
-                self.on_event("stop", group)
+                self.observer.group_event("stop", group)
         self.stop_groups(self.groups)
         if self.fork_server is not None:
             self.fork_server.close()
@@ -498,6 +583,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a fault-tolerant training job: N replica groups of W ranks each.",
         usage="phalanx run [options] -- COMMAND [ARGS...]",
     )
+    _add_group_options(parser)
+    _add_lighthouse_options(parser)
+    _add_access_options(parser)
+    _add_rank_options(parser)
+    return parser
+
+
+def _add_group_options(parser: argparse.ArgumentParser) -> None:
+    """The groups: how many, how big, their ids, their restarts."""
     parser.add_argument(
         "--replicas", type=int, default=1, metavar="N", help="replica groups to start (default: 1)"
     )
@@ -539,6 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="wait before a group's first restart, doubled on each next (default: 0.5)",
     )
+
+
+def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
+    """The lighthouse served here when no --lighthouse is given."""
     defaults = _core.LIGHTHOUSE_DEFAULTS
     parser.add_argument(
         "--min-replicas",
@@ -564,6 +662,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="silence after which a group is declared dead (lighthouse served here; default: "
         f"{defaults['heartbeat_timeout']:g}s)",
     )
+
+
+def _add_access_options(parser: argparse.ArgumentParser) -> None:
+    """Who may reach the job (its token) and where its groups listen."""
     parser.add_argument(
         "--token",
         help="the job token (default: PHALANX_TOKEN, else a new random one); other "
@@ -588,6 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the address this host's groups' rank 0 listens on for its manager server and "
         "rendezvous store: MASTER_ADDR of the ranks (default: 127.0.0.1)",
     )
+
+
+def _add_rank_options(parser: argparse.ArgumentParser) -> None:
+    """How ranks start, and the failures injected on purpose."""
     parser.add_argument(
         "--chaos",
         action="append",
@@ -610,7 +716,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="fork Python ranks from one interpreter that imported torch once, so a "
         "restarted rank starts at once (default: on, for python scripts and modules)",
     )
-    return parser
 
 
 def main(argv: list[str]) -> int:
@@ -621,24 +726,18 @@ def main(argv: list[str]) -> int:
         own, command = argv, []
     parser = build_parser()
     args = parser.parse_args(own)
-    if not command:
-        parser.error("give the training command after --, e.g. -- train.py --lr 0.1")
-    if command[0].endswith(".py"):
-        command = [sys.executable, *command]
-    if args.replicas < 1 or args.nproc_per_replica < 1:
-        parser.error("--replicas and --nproc-per-replica must be at least 1")
     try:
-        Chaos.parse(args.chaos)
+        config = LaunchConfig.from_args(args, command)
         token = resolve_token(args.token, args.token_file, os.environ)
     except ValueError as e:
         parser.error(str(e))
-    if token is None and args.lighthouse:
+    if token is None and config.lighthouse:
         # A job joined through an outside lighthouse has one token, shared by all its
         # launchers: a token made up here would split the job.
         if not args.insecure:
             parser.error(
-                f"joining the lighthouse at {args.lighthouse} takes the job's token, the same "
-                "for every launcher of the job: --token-file FILE or PHALANX_TOKEN_FILE "
+                f"joining the lighthouse at {config.lighthouse} takes the job's token, the "
+                "same for every launcher of the job: --token-file FILE or PHALANX_TOKEN_FILE "
                 "(write one with `phalanx token FILE`); --insecure runs this launcher's "
                 "groups without one, open to anyone who can reach them"
             )
@@ -649,4 +748,4 @@ def main(argv: list[str]) -> int:
         )
     elif token is None:
         token = new_token()
-    return Launcher(args, command, token).run()
+    return Launcher(config, token).run()

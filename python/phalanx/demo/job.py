@@ -97,19 +97,12 @@ def save(path: Path, write: Callable[[Path], object], warn: Callable[[str], None
         return False
 
 
-class DemoJob(launcher.Launcher):
-    """The launcher, watching its groups: every step line of a rank goes to the step
-    log and the live display, every other line to `ranks.log`."""
+class DemoJob(launcher.LaunchObserver):
+    """Watches the launcher's groups: every step line of a rank goes to the step log
+    and the live display, every other line to `ranks.log`."""
 
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        command: list[str],
-        token: str,
-        out: Path,
-        progress: Progress,
-    ):
-        super().__init__(args, command, token)
+    def __init__(self, replicas: int, out: Path, progress: Progress):
+        self.replicas = replicas
         self.out = out
         self.progress = progress
         self.steps: list[dict[str, Any]] = []
@@ -135,13 +128,13 @@ class DemoJob(launcher.Launcher):
     def say(self, text: str) -> None:
         self._rank_log.write(f"[phalanx run] {text}\n")
 
-    def show_status_page(self, url: str) -> None:
+    def status_page(self, url: str, token: str | None) -> None:
         # ranks.log is a file others may read: the token goes to the terminal only.
-        self.say(launcher.status_page_line(url, self.token, terminal=False))
+        self.say(launcher.status_page_line(url, token or "", terminal=False))
         if self.progress.tty:
-            self.progress.event(launcher.status_page_line(url, self.token, terminal=True))
+            self.progress.event(launcher.status_page_line(url, token or "", terminal=True))
 
-    def emit(self, group: launcher.Group, rank: int, line: bytes) -> None:
+    def rank_line(self, group: launcher.Group, rank: int, line: bytes) -> None:
         if line.startswith(b'{"event": "step"'):
             try:
                 record = json.loads(line)
@@ -152,7 +145,7 @@ class DemoJob(launcher.Launcher):
                 return
         self._rank_log.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
 
-    def on_event(self, kind: str, group: launcher.Group) -> None:
+    def group_event(self, kind: str, group: launcher.Group) -> None:
         now = time.time()
         restart = kind == "start" and group.replica_id in self._ever_started
         self.events.append(
@@ -223,7 +216,7 @@ class DemoJob(launcher.Launcher):
         loss = sum(r["loss"] for r in live) / len(live)
         self.progress.status(
             f"{self._clock(time.time())}  step {max(r['step'] for r in live) + 1:5d}"
-            f"  loss {loss:5.3f}  groups {len(live)}/{len(self.groups)}"
+            f"  loss {loss:5.3f}  groups {len(live)}/{self.replicas}"
             f"  failures {failures}  group-steps committed {committed / max(attempted, 1):.1%}"
         )
 
@@ -284,36 +277,10 @@ def main(argv: list[str]) -> int:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     if args.duration <= 0:
         parser.error("--duration must be positive, e.g. --duration 2m")
-    chaos = []
-    if args.kill_every:
-        chaos.append(f"kill-every={args.kill_every}")
-    if args.hang_every:
-        chaos.append(f"hang-every={args.hang_every},hang-for=3")
-    job_args = launcher.build_parser().parse_args(
-        [
-            f"--replicas={args.replicas}",
-            f"--nproc-per-replica={args.nproc_per_replica}",
-            f"--chaos-seed={args.seed}",
-            "--max-restarts=3",  # failures not injected: a broken setup gives up soon
-            *(f"--chaos={c}" for c in chaos),
-            *([f"--token-file={args.token_file}"] if args.token_file else []),
-        ]
-    )
     try:
-        token = launcher.job_token(job_args, os.environ)
+        token = launcher.job_token(None, args.token_file, os.environ)
     except ValueError as e:
         parser.error(str(e))
-    train = [a for a in args.train_args if a != "--"]
-    command = [
-        sys.executable,
-        "-m",
-        "phalanx.demo.train",
-        f"--seed={args.seed}",
-        f"--strategy={args.strategy}",
-        f"--sync-every={args.sync_every}",
-        *train,
-    ]
-
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -324,17 +291,49 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
     )
-    job = DemoJob(job_args, command, token, args.out, progress)
+    job = DemoJob(args.replicas, args.out, progress)
     try:
-        code = job.run(
+        code = launcher.Launcher(launch_config(args), token, observer=job).run(
             duration=args.duration,
             chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
             startup_timeout=STARTUP_TIMEOUT,
         )
     finally:
         job.close()
-    exited = time.time()
+    report = write_report(args, job, exited=time.time())
+    return exit_status(report, code, args.out)
 
+
+def training_args(args: argparse.Namespace) -> list[str]:
+    """What the user passed after -- for the training script."""
+    return [a for a in args.train_args if a != "--"]
+
+
+def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
+    """The launch of the demo's groups: its training script, its failures."""
+    command = (
+        sys.executable,
+        "-m",
+        "phalanx.demo.train",
+        f"--seed={args.seed}",
+        f"--strategy={args.strategy}",
+        f"--sync-every={args.sync_every}",
+        *training_args(args),
+    )
+    return launcher.LaunchConfig(
+        command=command,
+        replicas=args.replicas,
+        nproc_per_replica=args.nproc_per_replica,
+        chaos=launcher.Chaos(
+            kill_every=args.kill_every or None, hang_every=args.hang_every or None, hang_for=3.0
+        ),
+        chaos_seed=args.seed,
+        max_restarts=3,  # failures not injected: a broken setup gives up soon
+    )
+
+
+def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[str, Any]:
+    """Prints the summary and writes the report's files; returns the report."""
     report = analyze(
         job.steps,
         job.events,
@@ -352,7 +351,7 @@ def main(argv: list[str]) -> int:
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,
-        "train_args": train,
+        "train_args": training_args(args),
     }
     # The summary reaches the terminal whatever the disk allows.
     print(summary_table(report))
@@ -367,7 +366,7 @@ def main(argv: list[str]) -> int:
         f"report in {args.out}/: report.json, report.png; step log steps.jsonl; launcher "
         "events events.jsonl; rank output ranks.log"
     )
-    return exit_status(report, code, args.out)
+    return report
 
 
 def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:

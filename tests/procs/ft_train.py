@@ -74,7 +74,26 @@ class _StopBeforeVote:
         return getattr(self._client, name)
 
 
-def main() -> None:
+def print_step(manager: phalanx.Manager, step: int, committed: bool, loss: float, digest: str):
+    """The step's JSON line, which the tests read."""
+    line = {
+        "event": "step",
+        "step": step,
+        "committed": committed,
+        "after": manager.current_step(),
+        "quorum_id": manager.quorum_id,
+        "participants": manager.num_participants(),
+        "loss": loss,
+        "hash": digest,
+        "state_quorum_id": manager.state_quorum_id,
+        "torn": manager.torn,
+        "failure": manager.failure,
+        "t": time.time(),
+    }
+    print(json.dumps(line), flush=True)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-sleep", type=float, default=0.05)
@@ -91,7 +110,11 @@ def main() -> None:
         default=None,
         help="the heal deadline of this rank's first heal only (to make it fail)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     if args.hold_at >= 0:
         # Blocked in every thread (they inherit it), so that it waits for sigtimedwait.
@@ -132,25 +155,7 @@ def main() -> None:
         committed = optimizer.step()
         if manager.last_step.healed or "heal" in (manager.failure or ""):
             manager.timeouts = timeouts  # the first heal is over, one way or the other
-        print(
-            json.dumps(
-                {
-                    "event": "step",
-                    "step": step,
-                    "committed": committed,
-                    "after": manager.current_step(),
-                    "quorum_id": manager.quorum_id,
-                    "participants": manager.num_participants(),
-                    "loss": loss.item(),
-                    "hash": state_hash(model, optimizer.optimizer),
-                    "state_quorum_id": manager.state_quorum_id,
-                    "torn": manager.torn,
-                    "failure": manager.failure,
-                    "t": time.time(),
-                }
-            ),
-            flush=True,
-        )
+        print_step(manager, step, committed, loss.item(), state_hash(model, optimizer.optimizer))
         time.sleep(args.step_sleep)
     manager.shutdown()
     print(json.dumps({"event": "done", "step": manager.current_step()}), flush=True)

@@ -2,7 +2,8 @@
 kill) or to heal into. Prints one JSON line per event, flushed, on stdout:
 
     source:   {"event": "serving", "address": "127.0.0.1:PORT", "hash": "..."}
-              then serves until killed.
+              (with --announce-served, {"event": "served", "bytes": N} once it sent its
+              first chunk), then serves until killed.
     receiver: {"event": "healed", "hash": "...", "reused": N, "bytes": ..., ...}
 
 Both build the same small model (a BatchNorm for integer buffers) and Adam. A source
@@ -98,6 +99,11 @@ def source(args: argparse.Namespace) -> None:
     )
     host.open(args.step, args.quorum_id, state)
     emit(event="serving", address=host.address, hash=state_hash(state))
+    if args.announce_served:
+        # The test's cue that a heal is under way: the first chunk went out.
+        while host.served_bytes == 0:
+            time.sleep(0.005)
+        emit(event="served", bytes=host.served_bytes)
     while True:  # until the test kills this process
         time.sleep(3600)
 
@@ -136,6 +142,7 @@ def main() -> None:
     parser.add_argument("--ballast-mb", type=float, default=0.0)
     parser.add_argument("--max-bytes-per-s", type=float, default=None)
     parser.add_argument("--sources", default="")
+    parser.add_argument("--announce-served", action="store_true")
     args = parser.parse_args()
     source(args) if args.role == "source" else receiver(args)
 

@@ -1,0 +1,63 @@
+"""Which state a rank holds: its step *and* the quorum that committed that step, and
+whether a heal left it torn. Pure: the Manager moves it through commits and heals.
+
+A state is named by its step and the quorum that committed it: a group that committed
+a step in a quorum its peers went on without holds another state under the same
+number, and heals. A heal that fails part way leaves the state torn: the rank goes
+back to the identity it had before the heal, marked torn, and heals again before it
+trains; the ranks of a group agree on that through their vote.
+
+>>> held = HeldState()
+>>> held.committed(quorum_id=3); (held.step, held.state_quorum_id)
+(1, 3)
+>>> held.begin_heal(); held.tear()                 # the heal failed part way
+True
+>>> (held.step, held.state_quorum_id, held.torn)
+(1, 3, True)
+>>> held.begin_heal(); held.healed(step=9, state_quorum_id=5); (held.step, held.torn)
+(9, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class HeldState:
+    #: Committed steps so far (after a heal: the peers' step).
+    step: int = 0
+    #: The quorum that committed `step` (0 before the first commit).
+    state_quorum_id: int = 0
+    #: A heal failed part way: the state is unusable until a heal succeeds.
+    torn: bool = False
+    #: The identity before this step's heal, restored if the group's heal failed.
+    before_heal: tuple[int, int] | None = None
+
+    def new_step(self) -> None:
+        self.before_heal = None
+
+    @property
+    def healing(self) -> bool:
+        """Whether this step began a heal (whatever came of it)."""
+        return self.before_heal is not None
+
+    def begin_heal(self) -> None:
+        self.before_heal = (self.step, self.state_quorum_id)
+
+    def healed(self, step: int, state_quorum_id: int) -> None:
+        self.step, self.state_quorum_id, self.torn = step, state_quorum_id, False
+
+    def tear(self) -> bool:
+        """The group's heal failed on some rank: this rank's state is torn, back at
+        the identity it held before. True when it was not torn before."""
+        if self.before_heal is not None:
+            self.step, self.state_quorum_id = self.before_heal
+            self.before_heal = None
+        newly = not self.torn
+        self.torn = True
+        return newly
+
+    def committed(self, quorum_id: int) -> None:
+        self.step += 1
+        self.state_quorum_id = quorum_id

@@ -1,0 +1,190 @@
+"""The phases of one rank's step transaction, over what outlives a step (`Rank`) and
+the step in flight (`phalanx.step.Step`); `phalanx.Manager` calls them in order:
+
+    begin       ask for the quorum in the background
+    take_quorum once, on the training thread: rebuild the process group if the quorum
+                changed, then heal, or open this rank's state to healers
+    vote        this rank's yes or no; the group's decision
+    conclude    apply the group's decision to the held state
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from phalanx import _core
+from phalanx.healing import StateRegistry, heal_step, tear
+from phalanx.identity import HeldState
+from phalanx.membership import LossBook, MembershipWatcher
+from phalanx.process_group import Membership
+from phalanx.reachability import Reachability
+from phalanx.services import RankServices
+from phalanx.settings import ManagerSettings
+from phalanx.step import Step, cast_vote
+
+log = logging.getLogger("phalanx.manager")
+
+
+@dataclass
+class Rank:
+    """What a rank keeps from step to step."""
+
+    settings: ManagerSettings
+    services: RankServices
+    losses: LossBook
+    registry: StateRegistry = field(default_factory=StateRegistry)
+    held: HeldState = field(default_factory=HeldState)
+    #: This rank's state is open to healing peers until the step's vote.
+    serving: bool = False
+    #: Tensor bytes fetched in heals so far, for the lighthouse's metrics.
+    healed_bytes: int = 0
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
+    )
+
+    def __post_init__(self) -> None:
+        self.reach = Reachability(self.settings.replica_id)
+        self.watcher: MembershipWatcher | None = None
+
+    @classmethod
+    def open(cls, settings: ManagerSettings) -> Rank:
+        """Opens the rank's servers and connections and starts its membership watcher."""
+        rank = cls(settings, RankServices.open(settings), LossBook())
+        rank.watcher = MembershipWatcher(rank.services.client, rank.losses)
+        return rank
+
+    def close(self) -> None:
+        """Stops the servers and threads and waits for the watcher to end."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.services.shutdown()
+        if self.watcher is not None:
+            self.watcher.stop()
+
+    def fail(self, step: Step, reason: str) -> None:
+        if step.fail(reason):
+            log.warning("step %d failed: %s", self.held.step, reason)
+
+
+def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
+    """A new step, its quorum asked for in the background."""
+    held, host = rank.held, rank.services.host
+    held.new_step()
+    asked = rank.executor.submit(
+        rank.services.client.quorum,
+        rank.settings.group_rank,
+        held.step,
+        rank.settings.timeouts.quorum,
+        host.address,
+        shrink_only,
+        held.state_quorum_id,
+        held.torn,
+        host.refused_requests,
+        rank.healed_bytes,
+    )
+    step = Step(held.step, asked, None if previous is None else previous.known_quorum)
+    rank.losses.follow(step)
+    return step
+
+
+def take_quorum(rank: Rank, step: Step) -> None:
+    """Waits for the step's quorum, then joins it: failures mark the step failed; a
+    refusal that asking again cannot cure raises."""
+    if step.resolved:
+        return
+    step.resolved = True
+    started = time.monotonic()
+    try:
+        quorum = step.quorum_future.result()
+    except ValueError as e:
+        # Refused as asked (another live group has this replica id, a setting out
+        # of range): asking again cannot help, so the training loop hears of it.
+        raise ValueError(f"replica group {rank.settings.replica_id!r} cannot join: {e}") from e
+    except Exception as e:  # the quorum call's own deadline bounds this wait
+        rank.reach.failed(e, rank.settings.timeouts)
+        return rank.fail(step, f"no quorum: {e}")
+    finally:
+        step.record.quorum_s = time.monotonic() - started
+    rank.reach.reached()
+    step.quorum, step.record.quorum_id = quorum, quorum.quorum_id
+    if not rank.losses.admit(step, quorum.quorum_id):
+        # A member died after this quorum was issued; the lighthouse told us first.
+        return rank.fail(step, f"quorum {quorum.quorum_id} lost a member before the step began")
+    join(rank, step, quorum)
+
+
+def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
+    """Builds the quorum's process group, then heals or serves the healers."""
+    q = quorum
+    try:
+        membership = Membership(
+            q.store_address, q.store_prefix, q.replica_rank, q.replica_world_size
+        )
+        rank.services.process_group.configure(membership, rank.settings.backend)
+    except (RuntimeError, ValueError, dist.DistError) as e:
+        return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
+    if quorum.heal:
+        s = rank.settings
+        failure = heal_step(
+            step, quorum, rank.registry, rank.held, token=s.token, timeout=s.timeouts.heal
+        )
+        rank.healed_bytes += step.record.heal_bytes
+        if failure is not None:
+            rank.fail(step, failure)
+    elif quorum.serves_healers:
+        rank.services.host.open(rank.held.step, quorum.quorum_id, rank.registry.state())
+        rank.serving = True
+
+
+def stop_serving(rank: Rank) -> None:
+    """Every healing peer fetched before it joined the collectives that just
+    completed, so the state may change again from here on."""
+    if rank.serving:
+        rank.services.host.close(rank.settings.timeouts.heal)
+        rank.serving = False
+
+
+def vote(
+    rank: Rank, client: _core.ManagerClient, step: Step, quorum: _core.QuorumResult | None
+) -> tuple[bool, bool]:
+    """Votes yes if the step can commit (`quorum`: the one this rank joined, if it
+    did); returns the group's (commit, torn). A vote that cannot be cast is a no."""
+    held = rank.held
+    try:
+        return cast_vote(
+            client,
+            rank.settings.group_rank,
+            held.step,
+            quorum is not None and step.ok,
+            quorum_id=quorum.quorum_id if quorum is not None else 0,
+            torn=held.torn,
+            timeout=rank.settings.timeouts.commit,
+        )
+    except (TimeoutError, ConnectionError, ValueError) as e:
+        log.warning("commit vote of step %d failed: %s", held.step, e)
+        # Whether the other ranks' heals succeeded is unknown.
+        return False, held.healing
+
+
+def conclude(rank: Rank, step: Step, commit: bool, torn: bool, took: float) -> bool:
+    """Applies the group's decision (`commit`; `torn`: some rank's heal failed) to the
+    held state and the step's record; returns `commit`."""
+    record, quorum = step.record, step.quorum
+    record.commit_s = took
+    # Only a heal can tear a state: a group that did not heal this step keeps it.
+    if torn and (rank.held.healing or rank.held.torn):
+        tear(rank.held)
+    record.committed = commit
+    record.failure = (step.failure or "a rank voted no") if not commit else None
+    record.participants = 0 if quorum is None else quorum.contributors
+    if commit:
+        assert quorum is not None
+        rank.held.committed(quorum.quorum_id)
+    else:
+        log.info("step %d not committed: %s", rank.held.step, record.failure)
+        rank.services.process_group.reset()
+    return commit
