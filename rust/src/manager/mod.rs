@@ -14,6 +14,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
@@ -384,12 +385,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (events, _) = broadcast::channel(64);
     let (lease, lease_rx) = watch::channel(None);
     let refusals = Arc::new(GroupRefusals::default());
-    let (listener, bound) = server::bind(&options.bind).await?;
-    let mut more = Vec::new();
-    if let Some(host) = options.also_bind.as_deref().filter(|h| !h.is_empty()) {
-        more.extend(server::bind_also(bound, host).await?);
-    }
-    let manager_address = server::advertised_address(bound, options.advertise_host.as_deref());
+    let (listener, more, manager_address) = listen(&options).await?;
     let store = group_store(&options.replica_id)?;
     let store_address = if options.store_address.is_empty() {
         manager_address.clone()
@@ -444,6 +440,20 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         refusals,
         shared,
     })
+}
+
+/// Binds `bind` (and `also_bind`, at the same port); returns the listeners and the
+/// address the group's ranks and peers use.
+async fn listen(
+    options: &ManagerOptions,
+) -> Result<(TcpListener, Vec<TcpListener>, String), Error> {
+    let (listener, bound) = server::bind(&options.bind).await?;
+    let mut more = Vec::new();
+    if let Some(host) = options.also_bind.as_deref().filter(|h| !h.is_empty()) {
+        more.extend(server::bind_also(bound, host).await?);
+    }
+    let address = server::advertised_address(bound, options.advertise_host.as_deref());
+    Ok((listener, more, address))
 }
 
 /// The group's rendezvous store, holding the key that names the group.
