@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import _core
+from phalanx import _core, watchdog
 from phalanx.process_group import (
     Abort,
     CollectiveFailed,
@@ -47,6 +47,7 @@ from phalanx.process_group import (
     backend_for,
     gloo_group,
 )
+from phalanx.progress import Progress
 from phalanx.store import Store
 from phalanx.token import resolve_token
 
@@ -84,8 +85,13 @@ class Timeouts:
     before it gives up (LighthouseUnreachableError): long enough for a lighthouse to
     be restarted, short enough that a job that lost it for good ends.
 
+    `stall` is how long a member of the quorum may make no progress while its peers
+    wait on it before the lighthouse evicts it (see `phalanx.progress`). It must be
+    shorter than the collective timeout: a hung group outlasting its peers' collective
+    is left out of their next quorum and never evicted.
+
     >>> Timeouts.from_budget(30.0)
-    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0)
+    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0, stall=10.0)
     >>> Timeouts.from_budget(30.0, collective=60.0)
     Traceback (most recent call last):
     ...
@@ -97,6 +103,7 @@ class Timeouts:
     commit: float
     heal: float
     lighthouse: float = 300.0
+    stall: float = 10.0
 
     @classmethod
     def from_budget(
@@ -108,13 +115,16 @@ class Timeouts:
         commit: float | None = None,
         heal: float | None = None,
         lighthouse: float | None = None,
+        stall: float | None = None,
     ) -> Timeouts:
+        collective = collective if collective is not None else timeout / 2
         timeouts = cls(
             quorum=quorum if quorum is not None else timeout,
-            collective=collective if collective is not None else timeout / 2,
+            collective=collective,
             commit=commit if commit is not None else timeout / 2,
             heal=heal if heal is not None else timeout,
             lighthouse=lighthouse if lighthouse is not None else max(300.0, 10 * timeout),
+            stall=stall if stall is not None else min(timeout / 3, collective * 2 / 3),
         )
         timeouts.validate()
         return timeouts
@@ -128,6 +138,13 @@ class Timeouts:
                 f"the lighthouse timeout ({self.lighthouse} s) is shorter than the quorum "
                 f"timeout ({self.quorum} s): a rank would give up on its lighthouse before "
                 "one quorum request could have run out. Raise the lighthouse timeout"
+            )
+        if self.stall >= self.collective:
+            raise ValueError(
+                f"the stall timeout ({self.stall} s) is not shorter than the collective "
+                f"timeout ({self.collective} s): a hung group would be left out of its "
+                "peers' next quorum before it could be evicted, and never restarted. Lower "
+                "the stall timeout or raise the collective timeout"
             )
         for phase in ("collective", "commit"):
             if self.quorum < getattr(self, phase):
@@ -147,6 +164,17 @@ class LighthouseUnreachableError(ConnectionError):
 def _env(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else default
+
+
+def _env_seconds(name: str, example: str) -> float | None:
+    if (text := _env(name)) is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(
+            f"{name}={text!r} is not a number of seconds; set it to e.g. {example}"
+        ) from None
 
 
 @dataclass
@@ -199,8 +227,13 @@ class Handle:
         if self._pending is None:
             return False
         started = time.monotonic()
+        manager = self._manager
         try:
-            self._pending.wait()
+            with manager.progress.waiting(
+                f"an all-reduce of step {manager._step} (quorum {manager.quorum_id})",
+                manager.timeouts.collective,
+            ):
+                self._pending.wait()
         except CollectiveFailed as e:
             self._manager._fail(self._manager._explain(e))
             return False
@@ -243,15 +276,12 @@ class Manager:
         commit_timeout: float | None = None,
         heal_timeout: float | None = None,
         lighthouse_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ):
-        if lighthouse_timeout is None and (text := _env("PHALANX_LIGHTHOUSE_TIMEOUT")):
-            try:
-                lighthouse_timeout = float(text)
-            except ValueError:
-                raise ValueError(
-                    f"PHALANX_LIGHTHOUSE_TIMEOUT={text!r} is not a number of seconds; "
-                    "set it to e.g. 300"
-                ) from None
+        if lighthouse_timeout is None:
+            lighthouse_timeout = _env_seconds("PHALANX_LIGHTHOUSE_TIMEOUT", "300")
+        if stall_timeout is None:
+            stall_timeout = _env_seconds("PHALANX_STALL_TIMEOUT", "10")
         self.timeouts = Timeouts.from_budget(
             timeout,
             quorum=quorum_timeout,
@@ -259,6 +289,7 @@ class Manager:
             commit=commit_timeout,
             heal=heal_timeout,
             lighthouse=lighthouse_timeout,
+            stall=stall_timeout,
         )
         #: Since when no quorum request reached a lighthouse (None: the last one did).
         self._unreachable_since: float | None = None
@@ -346,6 +377,15 @@ class Manager:
             self._check_manager(manager_address)
         self._client = _core.ManagerClient(manager_address, token=self._token)
         self._client.subscribe_events()
+        #: What the training thread does; the group's heartbeat carries it.
+        self.progress = Progress(
+            self._client.report_progress,
+            group_rank=self.group_rank,
+            stall_timeout=self.timeouts.stall,
+            interval=heartbeat_interval,
+        )
+        watchdog.install_chaos(self.progress)
+        self.progress.start()
 
         from phalanx.recovery import StateHost
 
@@ -398,6 +438,8 @@ class Manager:
         self._heal_failed = False
         self._before_heal = None
         step = self._step
+        self.progress.bind()
+        self.progress.step_began(step)
         self.last_step = StepRecord(step=step)
         self._quorum_future = self._executor.submit(
             self._client.quorum,
@@ -442,6 +484,9 @@ class Manager:
         except CollectiveFailed as e:
             self._fail(self._explain(e))
             return self._remember(Handle(self, None, tensor, 1, then))
+        self.progress.mark(
+            f"launched an all-reduce of step {self._step} (quorum {quorum.quorum_id})"
+        )
         divisor = self.num_participants() if average else 1
         return self._remember(Handle(self, pending, tensor, divisor, then))
 
@@ -577,6 +622,7 @@ class Manager:
         if self._closed:
             return
         self._closed = True
+        self.progress.stop()
         self._abort.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._host.shutdown()
@@ -667,11 +713,12 @@ class Manager:
             )
             return decision.commit, decision.torn
 
-        try:
-            return cast(self.timeouts.commit)
-        except (TimeoutError, ConnectionError) as e:
-            log.warning("commit vote of step %d: %s; voting again", self._step, e)
-            return cast(max(deadline - time.monotonic(), MIN_REVOTE_S))
+        with self.progress.waiting(f"the commit vote of step {self._step}", self.timeouts.commit):
+            try:
+                return cast(self.timeouts.commit)
+            except (TimeoutError, ConnectionError) as e:
+                log.warning("commit vote of step %d: %s; voting again", self._step, e)
+                return cast(max(deadline - time.monotonic(), MIN_REVOTE_S))
 
     def _explain(self, failure: CollectiveFailed) -> str:
         """Why a collective failed, in phalanx's words. A peer's crash breaks its
@@ -717,7 +764,8 @@ class Manager:
             raise RuntimeError("call start_quorum() before allreduce() or should_commit()")
         started = time.monotonic()
         try:
-            quorum = self._quorum_future.result()
+            with self.progress.waiting(f"the quorum of step {self._step}", self.timeouts.quorum):
+                quorum = self._quorum_future.result()
         except ValueError as e:
             # Refused as asked (another live group has this replica id, a setting out
             # of range): asking again cannot help, so the training loop hears of it.
@@ -765,6 +813,7 @@ class Manager:
     def _open_state(self, q: _core.QuorumResult) -> None:
         self._host.open(self._step, q.quorum_id, self._state())
         self._serving = True
+        self.progress.mark(f"serving the state of step {self._step} to healing peers")
 
     def _heal(self, q: _core.QuorumResult) -> None:
         from phalanx.recovery import IncompatibleStateError, heal
@@ -779,14 +828,17 @@ class Manager:
         try:
             # The sources publish their state when they reach this step's collectives;
             # the fetch waits for that, within the heal deadline.
-            state = heal(
-                sources,
-                q.max_step,
-                q.quorum_id,
-                self._state(),
-                token=self._token,
-                timeout=self.timeouts.heal,
-            )
+            with self.progress.waiting(
+                f"healing to step {q.max_step} from {len(sources)} peer(s)", self.timeouts.heal
+            ):
+                state = heal(
+                    sources,
+                    q.max_step,
+                    q.quorum_id,
+                    self._state(),
+                    token=self._token,
+                    timeout=self.timeouts.heal,
+                )
         except IncompatibleStateError:
             raise  # this group was built unlike its peers: no retry can help
         except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
@@ -829,6 +881,13 @@ class Manager:
                 return
             if event is None:
                 continue
+            if event.cause == "progress_stalled" and self.replica_id in event.lost:
+                watchdog.evicted(
+                    self.progress,
+                    self.replica_id,
+                    event.quorum_id,
+                    relays=self.group_rank == 0 and self.group_world_size > 1,
+                )
             with self._membership_lock:
                 self._broken_quorum_id = max(self._broken_quorum_id, event.quorum_id)
                 concerns_step = event.quorum_id == self._step_quorum_id

@@ -178,6 +178,8 @@ class DemoJob(launcher.Launcher):
             self.progress.event(f"{elapsed}  SIGKILL {group.replica_id}")
         elif kind == "hang":
             self.progress.event(f"{elapsed}  SIGSTOP {group.replica_id}")
+        elif kind == "hang-thread":
+            self.progress.event(f"{elapsed}  training thread of {group.replica_id} blocked")
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
 
@@ -256,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
     parser.add_argument(
+        "--hang-thread-every",
+        type=duration,
+        help="block the training thread of a random group's rank this often (for 60 s; "
+        "the group is evicted as stalled and restarted)",
+    )
+    parser.add_argument(
         "--strategy",
         choices=["ddp", "hsdp", "diloco"],
         default="ddp",
@@ -289,6 +297,8 @@ def main(argv: list[str]) -> int:
         chaos.append(f"kill-every={args.kill_every}")
     if args.hang_every:
         chaos.append(f"hang-every={args.hang_every},hang-for=3")
+    if args.hang_thread_every:
+        chaos.append(f"hang-thread-every={args.hang_thread_every},hang-thread-for=60")
     job_args = launcher.build_parser().parse_args(
         [
             f"--replicas={args.replicas}",
@@ -349,6 +359,7 @@ def main(argv: list[str]) -> int:
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
         "hang_every_s": args.hang_every,
+        "hang_thread_every_s": args.hang_thread_every,
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,

@@ -65,7 +65,7 @@ from collections.abc import Iterable
 from typing import Any
 
 #: Launcher events that are failures injected on purpose.
-FAILURE_KINDS = ("kill", "hang")
+FAILURE_KINDS = ("kill", "hang", "hang-thread")
 
 #: Steps averaged for the initial and the final loss.
 LOSS_WINDOW = 10
@@ -517,7 +517,9 @@ def failure_label(failure: dict[str, Any]) -> str:
     back in 1.30 s
     restart → commit 0.41 s
     """
-    what = {"kill": "killed", "hang": "hung"}.get(failure["kind"], failure["kind"])
+    what = {"kill": "killed", "hang": "hung", "hang-thread": "thread hung"}.get(
+        failure["kind"], failure["kind"]
+    )
     lines = [f"{failure['replica']} {what} at {failure['at_s']:.1f} s"]
     if failure["back_after_s"] is None:
         lines.append("not back")

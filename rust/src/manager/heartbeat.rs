@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, watch};
 use tonic::Streaming;
 
+use super::progress::Board;
 use crate::client::LighthouseClient;
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
@@ -102,6 +103,8 @@ pub struct Heartbeat {
     /// The lease of the last acknowledged beat; None while no stream is open.
     pub lease: watch::Sender<Option<Lease>>,
     pub refusals: Arc<GroupRefusals>,
+    /// The ranks' training progress, summed up on every beat.
+    pub board: Arc<Mutex<Board>>,
 }
 
 impl Heartbeat {
@@ -175,8 +178,14 @@ impl Heartbeat {
     /// (and on a stream's first).
     fn beat_maker(&self) -> impl FnMut(Progress, u64) -> proto::Beat + Send + 'static {
         let refusals = self.refusals.clone();
+        let board = self.board.clone();
         let mut reported = RefusalCounts::new();
         move |p: Progress, seq: u64| {
+            let trained = board
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .summary(Instant::now());
+            let ms = |d: Duration| d.as_millis().min(u64::MAX as u128) as u64;
             let totals = refusals.totals();
             let refused = if totals == reported {
                 Vec::new()
@@ -192,6 +201,10 @@ impl Heartbeat {
                 step: p.step,
                 seq,
                 refused,
+                progress_age_ms: ms(trained.progress_age),
+                waiting_ms: ms(trained.waiting),
+                stall_timeout_ms: ms(trained.stall_timeout),
+                step_time_ms: ms(trained.step_time),
             }
         }
     }

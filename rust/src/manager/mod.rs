@@ -8,6 +8,7 @@
 
 mod heartbeat;
 pub mod plan;
+pub mod progress;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::pin::Pin;
@@ -185,6 +186,8 @@ struct Shared {
     refusals: Arc<GroupRefusals>,
     store: SharedStore,
     store_address: String,
+    /// The ranks' training progress, which the heartbeat reports.
+    board: Arc<Mutex<progress::Board>>,
 }
 
 impl Shared {
@@ -544,6 +547,39 @@ impl Manager for ManagerService {
         Ok(Response::new(decision))
     }
 
+    async fn progress(
+        &self,
+        request: Request<proto::ProgressReport>,
+    ) -> Result<Response<proto::ProgressAck>, Status> {
+        let req = request.into_inner();
+        validate::protocol_version(req.protocol_version)?;
+        check_rank(req.group_rank, self.shared.options.world_size)?;
+        let report = progress::RankReport {
+            marks: req.marks,
+            wait_left: if req.waiting {
+                Some(Duration::from_millis(
+                    req.wait_left_ms.min(validate::MAX_TIMEOUT_MS),
+                ))
+            } else {
+                None
+            },
+            stall_timeout: if req.stall_timeout_ms == 0 {
+                Duration::ZERO
+            } else {
+                validate::timeout_ms(req.stall_timeout_ms).map_err(|s| {
+                    Status::invalid_argument(format!("stall_timeout_ms: {}", s.message()))
+                })?
+            },
+            step_time: Duration::from_millis(req.step_time_ms.min(validate::MAX_TIMEOUT_MS)),
+        };
+        self.shared
+            .board
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .report(req.group_rank, report, Instant::now());
+        Ok(Response::new(proto::ProgressAck {}))
+    }
+
     type EventsStream = EventStream;
 
     async fn events(
@@ -601,6 +637,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (events, _) = broadcast::channel(64);
     let (lease, lease_rx) = watch::channel(None);
     let refusals = Arc::new(GroupRefusals::default());
+    let board = Arc::new(Mutex::new(progress::Board::default()));
     let (listener, bound) = server::bind(&options.bind).await?;
     let mut more = Vec::new();
     if let Some(host) = options.also_bind.as_deref().filter(|h| !h.is_empty()) {
@@ -628,6 +665,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         refusals: refusals.clone(),
         store: store.clone(),
         store_address,
+        board: board.clone(),
     });
     let (shutdown, mut stopping) = watch::channel(false);
     let grpc = ManagerServer::new(ManagerService {
@@ -651,6 +689,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         events,
         lease,
         refusals: refusals.clone(),
+        board,
     }
     .run();
     // A stopping server closes its heartbeat stream at once, so that the lighthouse
