@@ -44,7 +44,8 @@ def evicted(progress: Progress, replica_id: str, quorum_id: int, *, relays: bool
     """Logs the evidence and ends the process; never returns."""
     log.error(
         "replica group %r was evicted from quorum %d: its training made no progress for "
-        "its stall timeout (%g s) while its peers waited on it. Group rank %d was %s. "
+        "its stall timeout (%g s) while its peers waited on it. The training thread of "
+        "group rank %d was last at: %s. "
         "Stacks of every thread follow; exiting with status %d so that the group is "
         "restarted and heals",
         replica_id,
