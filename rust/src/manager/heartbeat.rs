@@ -18,6 +18,11 @@ use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
 
+/// How long a group evicted as stalled waits before it heartbeats again: its ranks are
+/// exiting to be restarted (see `phalanx.watchdog`), and a stream re-opened meanwhile
+/// would show it live again, and its eviction's cause overwritten, on the status page.
+const REOPEN_AFTER_STALL: Duration = Duration::from_secs(5);
+
 /// What a group's heartbeat reports besides being alive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Progress {
@@ -121,7 +126,14 @@ impl Heartbeat {
             {
                 Ok(stream) => {
                     backoff = self.interval;
-                    self.follow(stream, &in_flight).await;
+                    if self.follow(stream, &in_flight).await {
+                        tracing::error!(
+                            replica_id = self.replica_id,
+                            "the lighthouse evicted this group as stalled: its training made \
+                             no progress while its peers waited on it"
+                        );
+                        backoff = REOPEN_AFTER_STALL;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -209,13 +221,21 @@ impl Heartbeat {
         }
     }
 
-    /// Acts on what the lighthouse sends until the stream ends.
-    async fn follow(&self, mut stream: Streaming<proto::LighthouseEvent>, in_flight: &InFlight) {
+    /// Acts on what the lighthouse sends until the stream ends; true when it ended
+    /// because the group was evicted as stalled.
+    async fn follow(
+        &self,
+        mut stream: Streaming<proto::LighthouseEvent>,
+        in_flight: &InFlight,
+    ) -> bool {
         let replica_id = &self.replica_id;
+        let mut stalled = false;
         loop {
             match stream.message().await {
                 Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
                     Event::MembershipLost(lost) => {
+                        stalled |= lost.cause == "progress_stalled"
+                            && lost.lost.iter().any(|id| id == replica_id);
                         let _ = self.events.send(lost);
                     }
                     Event::Lease(granted) => {
@@ -229,12 +249,13 @@ impl Heartbeat {
                     }
                 },
                 Ok(Some(_)) => {}
+                Ok(None) if stalled => return true,
                 Ok(None) => {
                     tracing::warn!(
                         replica_id,
                         "the lighthouse ended the heartbeat stream; re-opening"
                     );
-                    return;
+                    return false;
                 }
                 Err(status) => {
                     tracing::warn!(
@@ -242,7 +263,7 @@ impl Heartbeat {
                         "heartbeat stream lost: {}; re-opening",
                         status.message()
                     );
-                    return;
+                    return stalled;
                 }
             }
         }
