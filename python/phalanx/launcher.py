@@ -377,9 +377,10 @@ class Launcher:
                 stalled = group.chaos_thread_hung and watchdog.EXIT_STALLED in codes
                 group.chaos_thread_hung = False
                 if group.chaos_killed or stalled:
+                    why = "killed" if group.chaos_killed else "its training thread blocked"
                     group.chaos_killed = False
                     group.restart_at = now + self.args.restart_backoff
-                    self.say(f"restarting {group.replica_id} (killed by chaos)")
+                    self.say(f"restarting {group.replica_id} ({why} by chaos)")
                     continue
                 if group.restarts >= self.args.max_restarts:
                     group.given_up = True

@@ -385,6 +385,7 @@ class Manager:
             interval=heartbeat_interval,
         )
         watchdog.install_chaos(self.progress)
+        watchdog.hosts(self)
         self.progress.start()
 
         from phalanx.recovery import StateHost
@@ -623,6 +624,7 @@ class Manager:
             return
         self._closed = True
         self.progress.stop()
+        watchdog.left(self)
         self._abort.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._host.shutdown()

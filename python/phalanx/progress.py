@@ -12,7 +12,8 @@ passed.
 
 The reporter sends the count of marks and moves to the group's manager server, which
 sums up the group's ranks for its heartbeat; the lighthouse evicts a member of the
-quorum that made no progress for its stall timeout while a peer waits on it. A rank
+quorum that made no progress for its stall timeout while a peer waits on it (for at
+least half that long). A rank
 whose interpreter is frozen (the GIL held) stops reporting, which reads as no progress.
 
 >>> reports = []

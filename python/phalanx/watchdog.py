@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 
 from phalanx.progress import Progress
 
@@ -40,8 +41,23 @@ CHAOS_SIGNAL = signal.SIGURG
 CHAOS_ENV = "PHALANX_CHAOS_HANG_THREAD_FOR"
 
 
+#: The ranks (Managers) this process hosts: one, in a job.
+_ranks: weakref.WeakSet = weakref.WeakSet()
+
+
+def hosts(rank: object) -> None:
+    """This process hosts `rank` (a Manager) until it is shut down or gone."""
+    _ranks.add(rank)
+
+
+def left(rank: object) -> None:
+    _ranks.discard(rank)
+
+
 def evicted(progress: Progress, replica_id: str, quorum_id: int, *, relays: bool = False) -> None:
-    """Logs the evidence and ends the process; never returns."""
+    """Logs the evidence and ends the process. A process that hosts the ranks of
+    several groups (a test, a simulation) is not ended, since that would end the
+    other groups too (I5): the rank goes on, and its group asks to join again."""
     log.error(
         "replica group %r was evicted from quorum %d: its training made no progress for "
         "its stall timeout (%g s) while its peers waited on it. The training thread of "
@@ -60,6 +76,9 @@ def evicted(progress: Progress, replica_id: str, quorum_id: int, *, relays: bool
     sys.stderr.flush()
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
+    if len(_ranks) > 1:
+        log.error("this process hosts %d ranks: it is not ended", len(_ranks))
+        return
     if relays:
         time.sleep(RELAY_GRACE_S)
     os._exit(EXIT_STALLED)

@@ -8,7 +8,7 @@
 //! and the lease acknowledged for it holds (see `LighthouseState::expire`).
 
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64};
+use std::sync::atomic::{AtomicI64, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,9 +26,10 @@ pub struct Pulse {
     /// The highest quorum id the lighthouse has heard from anyone.
     heard: Arc<AtomicU64>,
     /// What the group's beats say of its training (see `Training`); `stalled_since_ns`
-    /// is `RETIRED` while the group does not report it.
+    /// is `RETIRED` while the group does not report it, `waiting_since_ns` while it
+    /// does not wait.
     stalled_since_ns: AtomicI64,
-    waiting: AtomicBool,
+    waiting_since_ns: AtomicI64,
     stall_timeout_ms: AtomicU64,
     step_time_ms: AtomicU64,
 }
@@ -39,8 +40,8 @@ pub struct Training {
     /// Since when the group has made no progress (about when its last beat was sent,
     /// while it trains).
     pub stalled_since: Instant,
-    /// Some rank of it waits on the other groups.
-    pub waiting: bool,
+    /// Since when some rank of it waits on the other groups; None: none does.
+    pub waiting_since: Option<Instant>,
     /// The group asks to be evicted after this long without progress while a peer
     /// waits on it.
     pub stall_timeout: Duration,
@@ -64,7 +65,7 @@ impl Pulse {
             lease_quorum: AtomicU64::new(0),
             heard,
             stalled_since_ns: AtomicI64::new(RETIRED),
-            waiting: AtomicBool::new(false),
+            waiting_since_ns: AtomicI64::new(RETIRED),
             stall_timeout_ms: AtomicU64::new(0),
             step_time_ms: AtomicU64::new(0),
         }
@@ -84,8 +85,16 @@ impl Pulse {
         self.step_time_ms.store(beat.step_time_ms, Relaxed);
         self.stalled_since_ns
             .store(offset(self.epoch, since), Relaxed);
-        let waiting = beat.waiting_ms > 0;
-        !self.waiting.swap(waiting, Relaxed) && waiting
+        let waiting_since = match beat.waiting_ms {
+            0 => RETIRED,
+            ms => offset(
+                self.epoch,
+                now.checked_sub(Duration::from_millis(ms))
+                    .unwrap_or(self.epoch),
+            ),
+        };
+        let before = self.waiting_since_ns.swap(waiting_since, Relaxed);
+        before == RETIRED && waiting_since != RETIRED
     }
 
     /// The group's training progress; None while it does not report it.
@@ -93,7 +102,10 @@ impl Pulse {
         let ns = self.stalled_since_ns.load(Relaxed);
         (ns != RETIRED).then(|| Training {
             stalled_since: instant(self.epoch, ns),
-            waiting: self.waiting.load(Relaxed),
+            waiting_since: match self.waiting_since_ns.load(Relaxed) {
+                RETIRED => None,
+                ns => Some(instant(self.epoch, ns)),
+            },
             stall_timeout: Duration::from_millis(self.stall_timeout_ms.load(Relaxed)),
             step_time: match self.step_time_ms.load(Relaxed) {
                 0 => None,

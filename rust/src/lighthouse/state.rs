@@ -517,18 +517,42 @@ impl LighthouseState {
         self.replicas.get(replica_id)?.pulse.training()
     }
 
-    /// Whether a member waits on the others: it asks for the next quorum, or some
+    /// Since when a member waits on the others: it asks for the next quorum, or some
     /// rank of it sits in a collective, a vote or a heal.
-    fn waits(&self, replica_id: &str) -> bool {
-        self.joiners.contains_key(replica_id)
-            || self.training(replica_id).is_some_and(|t| t.waiting)
+    fn waiting_since(&self, replica_id: &str) -> Option<Instant> {
+        let joined = self.joiners.get(replica_id).map(|j| j.joined_at);
+        let training = self.training(replica_id).and_then(|t| t.waiting_since);
+        joined.into_iter().chain(training).min()
+    }
+
+    /// When member `id` of `quorum` is due as stalled (it made no progress for its
+    /// stall timeout) and when it is to be evicted: once due, and once a peer has
+    /// waited for half the timeout. A shorter wait is no sign of a hang (a peer's vote
+    /// waiting for its lease while this group, done with its steps, idles); a hang
+    /// keeps its peers waiting from about when it began, so the half is over before
+    /// the timeout. Neither for a group that does not report its progress, or that
+    /// asks for a quorum itself (every one of its ranks got that far); no eviction
+    /// time while no peer waits.
+    fn stall_due(&self, quorum: &Quorum, id: &str) -> (Option<Instant>, Option<Instant>) {
+        if self.joiners.contains_key(id) {
+            return (None, None);
+        }
+        let Some(training) = self.training(id) else {
+            return (None, None);
+        };
+        let evict_at = quorum
+            .replica_ids()
+            .filter(|peer| *peer != id)
+            .filter_map(|peer| self.waiting_since(peer))
+            .min()
+            .map(|since| (since + training.stall_timeout / 2).max(training.due()));
+        (Some(training.due()), evict_at)
     }
 
     /// Evicts every member of the current quorum that has made no progress for its
-    /// stall timeout while another member waits on it; returns them, and whether a
-    /// member is overdue but waited on by nobody yet (its eviction follows the first
-    /// peer that begins to wait). A group asking for a quorum is not stalled: every
-    /// one of its ranks got that far.
+    /// stall timeout while another member waits on it (see `stall_due`); returns them,
+    /// and whether a member is due but waited on by nobody yet (the first peer that
+    /// begins to wait wakes the deadline task, see `Pulse::trained`).
     pub fn evict_stalled(&mut self, now: Instant) -> (Vec<ReplicaId>, bool) {
         let Some(quorum) = &self.previous else {
             return (Vec::new(), false);
@@ -536,18 +560,10 @@ impl LighthouseState {
         let mut overdue = false;
         let mut stalled = Vec::new();
         for id in quorum.replica_ids() {
-            let due =
-                !self.joiners.contains_key(id) && self.training(id).is_some_and(|t| t.due() <= now);
-            if !due {
-                continue;
-            }
-            if quorum
-                .replica_ids()
-                .any(|peer| peer != id && self.waits(peer))
-            {
-                stalled.push(id.to_string());
-            } else {
-                overdue = true;
+            match self.stall_due(quorum, id) {
+                (_, Some(at)) if at <= now => stalled.push(id.to_string()),
+                (Some(due), None) if due <= now => overdue = true,
+                _ => {}
             }
         }
         for id in &stalled {
@@ -717,8 +733,11 @@ impl LighthouseState {
         let stall = self
             .previous
             .iter()
-            .flat_map(|q| q.replica_ids())
-            .filter_map(|id| self.training(id).map(|t| t.due()).filter(|due| *due > now));
+            .flat_map(|q| q.replica_ids().map(move |id| (q, id)))
+            .flat_map(|(q, id)| {
+                let (due, evict_at) = self.stall_due(q, id);
+                [due, evict_at].into_iter().flatten().filter(|at| *at > now)
+            });
         [self.waiting.1, expiry]
             .into_iter()
             .flatten()
@@ -999,11 +1018,11 @@ mod tests {
     }
 
     /// A beat of a group that reports its training: no progress for `age_ms`,
-    /// waiting on the others or not, with a 5 s stall timeout.
-    fn trained(pulse: &Pulse, now: Instant, age_ms: u64, waiting: bool) {
+    /// waiting on the others for `waiting_ms` (0: not), with a 5 s stall timeout.
+    fn trained(pulse: &Pulse, now: Instant, age_ms: u64, waiting_ms: u64) {
         let beat = proto::Beat {
             progress_age_ms: age_ms,
-            waiting_ms: if waiting { 1 } else { 0 },
+            waiting_ms,
             stall_timeout_ms: 5000,
             step_time_ms: 200,
             ..beat("any")
@@ -1029,8 +1048,8 @@ mod tests {
         form_quorum(&mut s, &["a", "b"], t);
         // b's training thread stops at 1 s; a trains on, then waits on b from 1.5 s.
         for n in (0..=6000).step_by(100) {
-            trained(&a, ms(n), 0, n >= 1500);
-            trained(&b, ms(n), n.saturating_sub(1000), false);
+            trained(&a, ms(n), 0, n.saturating_sub(1500));
+            trained(&b, ms(n), n.saturating_sub(1000), 0);
             let now = ms(n);
             if n < 6000 {
                 assert_eq!(s.evict_stalled(now), (vec![], false), "at {n} ms");
@@ -1066,17 +1085,23 @@ mod tests {
         let ((_, b), _b_events) = open(&mut s, "b", t);
         form_quorum(&mut s, &["a", "b"], t);
         // Both quiet for 8 s (a long step with no marks in it): neither is evicted.
-        trained(&a, ms(8000), 8000, false);
-        trained(&b, ms(8000), 8000, false);
+        trained(&a, ms(8000), 8000, 0);
+        trained(&b, ms(8000), 8000, 0);
         assert_eq!(
             s.evict_stalled(ms(8000)),
             (vec![], true),
             "overdue, not evicted"
         );
-        // a moves on and waits: b, still stalled, goes.
-        trained(&a, ms(8100), 0, true);
-        trained(&b, ms(8100), 8100, false);
-        assert_eq!(s.evict_stalled(ms(8100)).0, vec!["b".to_string()]);
+        // a moves on and waits: a wait that short is no sign that b hangs (b may be
+        // done with its steps, a's vote waiting for its lease)...
+        trained(&a, ms(8100), 0, 100);
+        trained(&b, ms(8100), 8100, 0);
+        assert_eq!(s.evict_stalled(ms(8100)), (vec![], false));
+        // (The deadline task wakes at the heartbeat expiry before that, and then at it.)
+        // ...but half the stall timeout of it is: b, still stalled, goes.
+        trained(&a, ms(10500), 0, 2500);
+        trained(&b, ms(10500), 10500, 0);
+        assert_eq!(s.evict_stalled(ms(10500)).0, vec!["b".to_string()]);
     }
 
     #[test]
@@ -1089,13 +1114,13 @@ mod tests {
         let ((_, c), _c_events) = open(&mut s, "c", t);
         form_quorum(&mut s, &["a", "b", "c"], t);
         // a waits (in its deadline: age 0); c reports nothing (an older client).
-        trained(&a, ms(9000), 0, true);
-        trained(&b, ms(9000), 0, true);
+        trained(&a, ms(9000), 0, 9000);
+        trained(&b, ms(9000), 0, 9000);
         assert!(c.beat(ms(9000), 0, 0));
         assert_eq!(s.evict_stalled(ms(9000)), (vec![], false));
         // b stalls but asks for the next quorum: all its ranks got that far.
-        trained(&b, ms(20000), 10000, false);
-        trained(&a, ms(20000), 0, true);
+        trained(&b, ms(20000), 10000, 0);
+        trained(&a, ms(20000), 0, 20000);
         assert!(c.beat(ms(20000), 0, 0));
         let (tx, _rx) = oneshot::channel();
         s.join(member("b"), 1, ms(20000), tx).unwrap();
