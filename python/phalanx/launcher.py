@@ -177,9 +177,9 @@ class Group:
     stopped_until: float | None = None
     #: Killed by --chaos: its restart does not count against --max-restarts.
     chaos_killed: bool = False
-    #: A training thread of it was blocked by --chaos: its exit as stalled does not
-    #: count against --max-restarts either.
-    chaos_thread_hung: bool = False
+    #: Until when a training thread of it is blocked by --chaos: its exit as stalled
+    #: meanwhile does not count against --max-restarts either.
+    chaos_thread_hung_until: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -374,8 +374,10 @@ class Launcher:
                 self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
                 self.stop_groups([group])
                 self.on_event("exit", group)
-                stalled = group.chaos_thread_hung and watchdog.EXIT_STALLED in codes
-                group.chaos_thread_hung = False
+                stalled = (
+                    group.chaos_thread_hung_until is not None and watchdog.EXIT_STALLED in codes
+                )
+                group.chaos_thread_hung_until = None
                 if group.chaos_killed or stalled:
                     why = "killed" if group.chaos_killed else "its training thread blocked"
                     group.chaos_killed = False
@@ -436,16 +438,22 @@ class Launcher:
                 self.say(f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s")
                 self.signal_group(victim, signal.SIGSTOP)
                 self.on_event("hang", victim)
+        # One blocked group at a time: groups that all hang wait on nobody, and none
+        # is evicted (that is a stall of the whole job, not of a group).
+        blocked = any(
+            g.chaos_thread_hung_until is not None and now < g.chaos_thread_hung_until
+            for g in self.groups
+        )
         if self.chaos.hang_thread_every and now >= (self.next_thread_hang or 0):
             self.next_thread_hang = now + self.chaos.hang_thread_every
-            if live:
+            if live and not blocked:
                 victim = self.rng.choice(live)
                 rank = self.rng.randrange(len(victim.procs))
                 self.say(
                     f"chaos: blocking the training thread of {victim.replica_id}/{rank} for "
                     f"{self.chaos.thread_hang_s:g} s"
                 )
-                victim.chaos_thread_hung = True
+                victim.chaos_thread_hung_until = now + self.chaos.thread_hang_s
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim.procs[rank].pid, watchdog.CHAOS_SIGNAL)
                 self.on_event("hang-thread", victim)
