@@ -243,6 +243,53 @@ def test_chaos_kills_groups_and_the_launcher_brings_them_back():
     assert log.count("started group") >= 2 + 3 - 1, log
 
 
+@pytest.mark.slow
+def test_chaos_blocks_a_training_thread_and_the_stalled_group_comes_back():
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "run",
+            "--replicas",
+            "2",
+            "--max-restarts",
+            "0",
+            "--chaos",
+            "hang-thread-every=2s,hang-thread-for=60s",
+            "--restart-backoff",
+            "0.05",
+            "--",
+            str(TESTS / "ft_train.py"),
+            "--steps",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
+        while not any("blocked by chaos)" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+            lines.append(launcher.stdout.readline())
+        launcher.send_signal(signal.SIGTERM)
+        rest, _ = launcher.communicate(timeout=30)
+        log = "".join(lines) + rest
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    # The blocked rank's group was evicted, left its evidence and exited as stalled,
+    # and came back without using up --max-restarts.
+    assert "chaos: blocking the training thread of" in log
+    assert "was evicted from quorum" in log and "most recent call first" in log, log[-5000:]
+    assert "exit codes [75]" in log, log[-5000:]
+    assert "gave up" not in log
+
+
 def children(pid: int) -> set[int]:
     """The live processes whose parent is `pid`."""
     found = set()

@@ -200,7 +200,7 @@ def test_the_status_page_shows_live_healing_and_lost_groups_with_nothing_from_ou
     assert b_class == "healing"
     assert (b[1], b[3], b[4]) == ("yes", "yes", "0"), b  # in quorum, healing, step
     assert (a[1], a[3], a[4]) == ("yes", "no", "10"), a
-    assert (d[1], d[11], d[12]) == ("no", "1", "1"), d  # in quorum, failures, restarts
+    assert (d[1], d[13], d[14]) == ("no", "1", "1"), d  # in quorum, failures, restarts
     lost = {cells[0]: cells for _, cells in tables.rows["lost-rows"]}
     assert set(lost) == {"killed", "hung"}
     assert lost["killed"][2].startswith("stream broken"), lost["killed"]

@@ -119,7 +119,9 @@ class MembershipLost:
     def lost(self) -> list[str]: ...
     @property
     def cause(self) -> str:
-        """ "stream_broken" (process gone) or "heartbeat_timeout" (hung)."""
+        """ "stream_broken" (process gone), "heartbeat_timeout" (process stopped) or
+        "progress_stalled" (training thread hung; the event then names the group that
+        receives it too)."""
 
 class ReplicaStatus:
     @property
@@ -136,6 +138,16 @@ class ReplicaStatus:
     def heartbeat_age_ms(self) -> int: ...
     @property
     def peer(self) -> str: ...
+    @property
+    def progress_age_ms(self) -> int:
+        """How long the group's training made no progress (0: not reported)."""
+    @property
+    def step_time_ms(self) -> int:
+        """The group's own work in its last step, waits on others left out (0: not
+        reported)."""
+    @property
+    def straggler(self) -> bool:
+        """Its step time is at least twice the other members' median."""
 
 class LighthouseStatus:
     @property
@@ -319,6 +331,21 @@ class ManagerClient:
         >>> bool(decision), decision.torn  # doctest: +SKIP
         (True, False)
         """
+    def report_progress(
+        self,
+        group_rank: int,
+        marks: int,
+        wait_left: float | None,
+        stall_timeout: float,
+        step_time: float = 0.0,
+        timeout: float = 1.0,
+    ) -> None:
+        """Reports what `group_rank`'s training thread did lately (see
+        `phalanx.progress`): `marks` counts its progress, only a change matters;
+        `wait_left` (seconds), when given, says it sits in a wait on the other groups
+        that ends within that long; `step_time` is its own work in its last step. The
+        group's heartbeat carries its ranks' reports; the lighthouse evicts a group
+        that made no progress for `stall_timeout` while a peer waits on it."""
     def subscribe_events(self, timeout: float = 5.0) -> None:
         """Starts listening for membership-loss events (idempotent)."""
     def next_event(self, timeout: float = 0.0) -> MembershipLost | None:

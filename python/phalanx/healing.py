@@ -24,6 +24,7 @@ from typing import Any
 
 from phalanx import _core
 from phalanx.identity import HeldState
+from phalanx.progress import Progress
 from phalanx.recovery import IncompatibleStateError, heal
 from phalanx.step import Step
 
@@ -72,6 +73,7 @@ def heal_step(
     quorum: _core.QuorumResult,
     registry: StateRegistry,
     held: HeldState,
+    progress: Progress,
     *,
     token: str | None,
     timeout: float,
@@ -93,15 +95,20 @@ def heal_step(
         # The sources publish their state when they reach this step's collectives;
         # the fetch waits for that, within the heal deadline.
         mine = registry.state()
-        state = heal(
-            sources,
-            quorum.max_step,
-            quorum.quorum_id,
-            mine,
-            token=token,
-            timeout=timeout,
-            report=record,
-        )
+        # The fetch is a wait on the peers, within its deadline; loading what it
+        # fetched is this rank's own work, which a hang can stop.
+        with progress.waiting(
+            f"healing to step {quorum.max_step} from {len(sources)} peer(s)", timeout
+        ):
+            state = heal(
+                sources,
+                quorum.max_step,
+                quorum.quorum_id,
+                mine,
+                token=token,
+                timeout=timeout,
+                report=record,
+            )
     except IncompatibleStateError:
         raise  # this group was built unlike its peers: no retry can help
     except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:

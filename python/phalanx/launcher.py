@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from phalanx import _core
+from phalanx import _core, watchdog
 from phalanx.forkserver import ForkServer, die_with_parent, runnable
 from phalanx.token import new_token, resolve_token
 
@@ -114,27 +114,46 @@ def status_page_line(url: str, token: str, terminal: bool) -> str:
 @dataclass(frozen=True)
 class Chaos:
     """Failures injected on purpose: SIGKILL a random live group every `kill_every`
-    seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later."""
+    seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later;
+    every `hang_thread_every` seconds, block the training thread of one rank of a
+    random group for `hang_for` while its process lives on (see `phalanx.watchdog`)."""
 
     kill_every: float | None = None
     hang_every: float | None = None
     hang_for: float = 5.0
+    hang_thread_every: float | None = None
+    #: How long a thread hang lasts, if not `hang_for` (which a SIGSTOP also uses).
+    hang_thread_for: float | None = None
+
+    @property
+    def thread_hang_s(self) -> float:
+        return self.hang_thread_for if self.hang_thread_for is not None else self.hang_for
 
     @classmethod
     def parse(cls, specs: list[str]) -> Chaos:
         """
-        >>> Chaos.parse(["kill-every=15s", "hang-every=1m,hang-for=3s"])
-        Chaos(kill_every=15.0, hang_every=60.0, hang_for=3.0)
+        >>> chaos = Chaos.parse(["kill-every=15s", "hang-every=1m,hang-for=3s"])
+        >>> chaos.kill_every, chaos.hang_every, chaos.hang_for, chaos.hang_thread_every
+        (15.0, 60.0, 3.0, None)
+        >>> Chaos.parse(["hang-thread-every=30s,hang-for=60s"]).hang_thread_every
+        30.0
         """
         given: dict[str, float] = {}
         for spec in specs:
             for item in spec.split(","):
                 key, sep, value = item.partition("=")
                 name = key.strip().replace("-", "_")
-                if not sep or name not in ("kill_every", "hang_every", "hang_for"):
+                if not sep or name not in (
+                    "kill_every",
+                    "hang_every",
+                    "hang_for",
+                    "hang_thread_every",
+                    "hang_thread_for",
+                ):
                     raise ValueError(
-                        f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION "
-                        "or hang-for=DURATION"
+                        f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION, "
+                        "hang-thread-every=DURATION, hang-for=DURATION or "
+                        "hang-thread-for=DURATION"
                     )
                 given[name] = parse_duration(value)
         return cls(**given)
@@ -145,8 +164,8 @@ class LaunchConfig:
     """What `phalanx run` is asked to do, checked: the command line's options, typed.
 
     >>> config = LaunchConfig(command=("python", "train.py"), replicas=2)
-    >>> config.replica_ids(), config.chaos
-    (['group0', 'group1'], Chaos(kill_every=None, hang_every=None, hang_for=5.0))
+    >>> config.replica_ids(), config.chaos.kill_every
+    (['group0', 'group1'], None)
     >>> LaunchConfig(command=("train.sh",), replicas=1, replica_id="host7").replica_ids()
     ['host7']
     >>> LaunchConfig(command=())
@@ -257,6 +276,9 @@ class Group:
     stopped_until: float | None = None
     #: Killed by --chaos: its restart does not count against --max-restarts.
     chaos_killed: bool = False
+    #: Until when a training thread of it is blocked by --chaos: its exit as stalled
+    #: meanwhile does not count against --max-restarts either.
+    chaos_thread_hung_until: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -301,6 +323,7 @@ class Launcher:
         self.fork_server: ForkServer | None = None
         self.next_kill: float | None = None
         self.next_hang: float | None = None
+        self.next_thread_hang: float | None = None
 
     def say(self, text: str) -> None:
         self.observer.say(text)
@@ -356,6 +379,8 @@ class Launcher:
             }
             if self.token is not None:
                 env["PHALANX_TOKEN"] = self.token
+            if self.chaos.hang_thread_every:
+                env[watchdog.CHAOS_ENV] = str(self.chaos.thread_hang_s)
             output = _Output(group, rank)
             group.procs.append(self._fork(env, output) or self._spawn(env, output))
         how = "forked" if self.fork_server is not None else "new processes"
@@ -429,10 +454,15 @@ class Launcher:
                 self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
                 self.stop_groups([group])
                 self.observer.group_event("exit", group)
-                if group.chaos_killed:
+                stalled = (
+                    group.chaos_thread_hung_until is not None and watchdog.EXIT_STALLED in codes
+                )
+                group.chaos_thread_hung_until = None
+                if group.chaos_killed or stalled:
+                    why = "killed" if group.chaos_killed else "its training thread blocked"
                     group.chaos_killed = False
                     group.restart_at = now + self.config.restart_backoff
-                    self.say(f"restarting {group.replica_id} (killed by chaos)")
+                    self.say(f"restarting {group.replica_id} ({why} by chaos)")
                     continue
                 if group.restarts >= self.config.max_restarts:
                     group.given_up = True
@@ -470,6 +500,7 @@ class Launcher:
         if self.next_kill is None:
             self.next_kill = now + (self.chaos.kill_every or 0)
             self.next_hang = now + (self.chaos.hang_every or 0)
+            self.next_thread_hang = now + (self.chaos.hang_thread_every or 0)
         live = [g for g in self.groups if g.alive and g.stopped_until is None]
         if self.chaos.kill_every and now >= self.next_kill:
             self.next_kill = now + self.chaos.kill_every
@@ -487,6 +518,25 @@ class Launcher:
                 self.say(f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s")
                 self.signal_group(victim, signal.SIGSTOP)
                 self.observer.group_event("hang", victim)
+        # One blocked group at a time: groups that all hang wait on nobody, and none
+        # is evicted (that is a stall of the whole job, not of a group).
+        blocked = any(
+            g.chaos_thread_hung_until is not None and now < g.chaos_thread_hung_until
+            for g in self.groups
+        )
+        if self.chaos.hang_thread_every and now >= (self.next_thread_hang or 0):
+            self.next_thread_hang = now + self.chaos.hang_thread_every
+            if live and not blocked:
+                victim = self.rng.choice(live)
+                rank = self.rng.randrange(len(victim.procs))
+                self.say(
+                    f"chaos: blocking the training thread of {victim.replica_id}/{rank} for "
+                    f"{self.chaos.thread_hang_s:g} s"
+                )
+                victim.chaos_thread_hung_until = now + self.chaos.thread_hang_s
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim.procs[rank].pid, watchdog.CHAOS_SIGNAL)
+                self.observer.group_event("hang-thread", victim)
         for group in self.groups:
             if group.stopped_until is not None and now >= group.stopped_until:
                 group.stopped_until = None
@@ -700,7 +750,9 @@ def _add_rank_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SPEC",
         help="inject failures on purpose, e.g. kill-every=15s (SIGKILL a random group), "
-        "hang-every=30s,hang-for=5s (SIGSTOP one); repeatable (default: none)",
+        "hang-every=30s,hang-for=5s (SIGSTOP one), hang-thread-every=30s,hang-for=60s "
+        "(block one rank's training thread while its process lives: its group is "
+        "evicted as stalled and restarted); repeatable (default: none)",
     )
     parser.add_argument(
         "--chaos-seed",

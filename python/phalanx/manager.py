@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import _core, transaction
+from phalanx import _core, transaction, watchdog
 from phalanx.process_group import CollectiveFailed
 from phalanx.reachability import LighthouseUnreachableError
 from phalanx.settings import ManagerSettings, Timeouts, host_port
@@ -74,6 +74,7 @@ class Manager:
         commit_timeout: float | None = None,
         heal_timeout: float | None = None,
         lighthouse_timeout: float | None = None,
+        stall_timeout: float | None = None,
         settings: ManagerSettings | None = None,
     ):
         if settings is None:
@@ -84,6 +85,7 @@ class Manager:
         self.group_rank = settings.group_rank
         self.group_world_size = settings.group_world_size
         self._rank = transaction.Rank.open(settings)
+        watchdog.hosts(self)
         # An attribute of its own so that tests can wrap it (to stop a rank at its vote).
         self._client = self._rank.services.client
         self._pre_commit: list[Callable[[], None]] = []
@@ -143,8 +145,12 @@ class Manager:
         except CollectiveFailed as e:
             self._fail(step.explain(e))
             return Handle(step, None, tensor, 1, then, self._fail)
+        doing = f"an all-reduce of step {step.number} (quorum {quorum.quorum_id})"
+        progress, timeout = self._rank.progress, self.settings.timeouts.collective
+        progress.mark(f"launched {doing}")
         divisor = quorum.contributors if average else 1
-        return Handle(step, pending, tensor, divisor, then, self._fail)
+        waiting = lambda: progress.waiting(doing, timeout)  # noqa: E731
+        return Handle(step, pending, tensor, divisor, then, self._fail, waiting)
 
     def should_commit(self) -> bool:
         """Votes this rank's "yes" (or "no" when the step failed) and returns the
@@ -265,6 +271,7 @@ class Manager:
         if self._closed:
             return
         self._closed = True
+        watchdog.left(self)
         if self._step is not None:
             self._step.abort.set()
         self._rank.close()

@@ -20,6 +20,7 @@ the step in flight, its quorum id, and the highest broken quorum id.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from phalanx import _core
@@ -66,9 +67,16 @@ class MembershipWatcher:
     """A thread that reads membership-loss events and aborts the step they concern.
     `stop()` ends and joins it."""
 
-    def __init__(self, events: EventSource, book: LossBook):
+    def __init__(
+        self,
+        events: EventSource,
+        book: LossBook,
+        heard: Callable[[_core.MembershipLost], None] | None = None,
+    ):
         self._events = events
         self._book = book
+        #: Told of every loss first (the group's own eviction included).
+        self._heard = heard
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-membership", daemon=True)
         self._thread.start()
@@ -87,6 +95,8 @@ class MembershipWatcher:
                 continue
             if event is None or self._stopping.is_set():
                 continue
+            if self._heard is not None:
+                self._heard(event)
             step = self._book.heard(event.quorum_id)
             if step is not None:
                 # Fails the collectives still in flight (their result would lack the

@@ -55,8 +55,13 @@ class Timeouts:
     before it gives up (LighthouseUnreachableError): long enough for a lighthouse to
     be restarted, short enough that a job that lost it for good ends.
 
+    `stall` is how long a member of the quorum may make no progress while its peers
+    wait on it before the lighthouse evicts it (see `phalanx.progress`). It must be
+    shorter than the collective timeout: a hung group outlasting its peers' collective
+    is left out of their next quorum and never evicted.
+
     >>> Timeouts.from_budget(30.0)
-    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0)
+    Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0, stall=10.0)
     >>> Timeouts.from_budget(30.0, collective=60.0)
     Traceback (most recent call last):
     ...
@@ -68,6 +73,7 @@ class Timeouts:
     commit: float
     heal: float
     lighthouse: float = 300.0
+    stall: float = 10.0
 
     @classmethod
     def from_budget(
@@ -79,13 +85,16 @@ class Timeouts:
         commit: float | None = None,
         heal: float | None = None,
         lighthouse: float | None = None,
+        stall: float | None = None,
     ) -> Timeouts:
+        collective = collective if collective is not None else timeout / 2
         timeouts = cls(
             quorum=quorum if quorum is not None else timeout,
-            collective=collective if collective is not None else timeout / 2,
+            collective=collective,
             commit=commit if commit is not None else timeout / 2,
             heal=heal if heal is not None else timeout,
             lighthouse=lighthouse if lighthouse is not None else max(300.0, 10 * timeout),
+            stall=stall if stall is not None else min(timeout / 3, collective * 2 / 3),
         )
         timeouts.validate()
         return timeouts
@@ -99,6 +108,13 @@ class Timeouts:
                 f"the lighthouse timeout ({self.lighthouse} s) is shorter than the quorum "
                 f"timeout ({self.quorum} s): a rank would give up on its lighthouse before "
                 "one quorum request could have run out. Raise the lighthouse timeout"
+            )
+        if self.stall >= self.collective:
+            raise ValueError(
+                f"the stall timeout ({self.stall} s) is not shorter than the collective "
+                f"timeout ({self.collective} s): a hung group would be left out of its "
+                "peers' next quorum before it could be evicted, and never restarted. Lower "
+                "the stall timeout or raise the collective timeout"
             )
         for phase in ("collective", "commit"):
             if self.quorum < getattr(self, phase):
@@ -173,6 +189,7 @@ class ManagerSettings:
         commit_timeout: float | None = None,
         heal_timeout: float | None = None,
         lighthouse_timeout: float | None = None,
+        stall_timeout: float | None = None,
         **given: Any,
     ) -> ManagerSettings:
         """The settings from the `Manager`'s arguments (`given`; None means "not
@@ -182,6 +199,8 @@ class ManagerSettings:
         given = {name: value for name, value in given.items() if value is not None}
         if lighthouse_timeout is None:
             lighthouse_timeout = env.seconds("PHALANX_LIGHTHOUSE_TIMEOUT", example="300")
+        if stall_timeout is None:
+            stall_timeout = env.seconds("PHALANX_STALL_TIMEOUT", example="10")
         timeouts = Timeouts.from_budget(
             timeout,
             quorum=quorum_timeout,
@@ -189,6 +208,7 @@ class ManagerSettings:
             commit=commit_timeout,
             heal=heal_timeout,
             lighthouse=lighthouse_timeout,
+            stall=stall_timeout,
         )
         settings = cls(
             replica_id=given.pop("replica_id", None) or env.get("PHALANX_REPLICA_ID") or "",

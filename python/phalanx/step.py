@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -146,8 +147,10 @@ class Handle:
         divisor: int,
         then: Callable[[torch.Tensor], None] | None,
         on_failure: Callable[[str], None],
+        waiting: Callable[[], AbstractContextManager[object]] = nullcontext,
     ):
         self._step = step
+        self._waiting = waiting
         self._pending = pending
         self._tensor = tensor
         self._divisor = divisor
@@ -165,7 +168,8 @@ class Handle:
             return False
         started = time.monotonic()
         try:
-            self._pending.wait()
+            with self._waiting():
+                self._pending.wait()
         except CollectiveFailed as e:
             self._on_failure(self._step.explain(e))
             return False

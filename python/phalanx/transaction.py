@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from phalanx import _core
+from phalanx import _core, watchdog
 from phalanx.healing import StateRegistry, heal_step, tear
 from phalanx.identity import HeldState
 from phalanx.membership import LossBook, MembershipWatcher
 from phalanx.process_group import Membership
+from phalanx.progress import Progress
 from phalanx.reachability import Reachability
 from phalanx.services import RankServices
 from phalanx.settings import ManagerSettings
@@ -37,6 +38,8 @@ class Rank:
     settings: ManagerSettings
     services: RankServices
     losses: LossBook
+    #: What the training thread does; the group's heartbeat carries it.
+    progress: Progress
     registry: StateRegistry = field(default_factory=StateRegistry)
     held: HeldState = field(default_factory=HeldState)
     #: This rank's state is open to healing peers until the step's vote.
@@ -54,12 +57,29 @@ class Rank:
     @classmethod
     def open(cls, settings: ManagerSettings) -> Rank:
         """Opens the rank's servers and connections and starts its membership watcher."""
-        rank = cls(settings, RankServices.open(settings), LossBook())
-        rank.watcher = MembershipWatcher(rank.services.client, rank.losses)
+        services = RankServices.open(settings)
+        progress = Progress(
+            services.client.report_progress,
+            group_rank=settings.group_rank,
+            stall_timeout=settings.timeouts.stall,
+            interval=settings.heartbeat_interval,
+        )
+        watchdog.install_chaos(progress)
+        rank = cls(settings, services, LossBook(), progress)
+        rank.watcher = MembershipWatcher(services.client, rank.losses, rank.heard_loss)
+        progress.start()
         return rank
+
+    def heard_loss(self, event: _core.MembershipLost) -> None:
+        """The lighthouse evicted this very group as stalled: evidence, then exit."""
+        s = self.settings
+        if event.cause == "progress_stalled" and s.replica_id in event.lost:
+            relays = s.group_rank == 0 and s.group_world_size > 1
+            watchdog.evicted(self.progress, s.replica_id, event.quorum_id, relays=relays)
 
     def close(self) -> None:
         """Stops the servers and threads and waits for the watcher to end."""
+        self.progress.stop()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.services.shutdown()
         if self.watcher is not None:
@@ -74,6 +94,8 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
     """A new step, its quorum asked for in the background."""
     held, host = rank.held, rank.services.host
     held.new_step()
+    rank.progress.bind()
+    rank.progress.step_began(held.step)
     asked = rank.executor.submit(
         rank.services.client.quorum,
         rank.settings.group_rank,
@@ -99,7 +121,9 @@ def take_quorum(rank: Rank, step: Step) -> None:
     step.resolved = True
     started = time.monotonic()
     try:
-        quorum = step.quorum_future.result()
+        timeout = rank.settings.timeouts.quorum
+        with rank.progress.waiting(f"the quorum of step {step.number}", timeout):
+            quorum = step.quorum_future.result()
     except ValueError as e:
         # Refused as asked (another live group has this replica id, a setting out
         # of range): asking again cannot help, so the training loop hears of it.
@@ -130,7 +154,13 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
     if quorum.heal:
         s = rank.settings
         failure = heal_step(
-            step, quorum, rank.registry, rank.held, token=s.token, timeout=s.timeouts.heal
+            step,
+            quorum,
+            rank.registry,
+            rank.held,
+            rank.progress,
+            token=s.token,
+            timeout=s.timeouts.heal,
         )
         rank.healed_bytes += step.record.heal_bytes
         if failure is not None:
@@ -138,6 +168,7 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
     elif quorum.serves_healers:
         rank.services.host.open(rank.held.step, quorum.quorum_id, rank.registry.state())
         rank.serving = True
+        rank.progress.mark(f"serving the state of step {rank.held.step} to healing peers")
 
 
 def stop_serving(rank: Rank) -> None:
@@ -154,16 +185,18 @@ def vote(
     """Votes yes if the step can commit (`quorum`: the one this rank joined, if it
     did); returns the group's (commit, torn). A vote that cannot be cast is a no."""
     held = rank.held
+    commit_timeout = rank.settings.timeouts.commit
     try:
-        return cast_vote(
-            client,
-            rank.settings.group_rank,
-            held.step,
-            quorum is not None and step.ok,
-            quorum_id=quorum.quorum_id if quorum is not None else 0,
-            torn=held.torn,
-            timeout=rank.settings.timeouts.commit,
-        )
+        with rank.progress.waiting(f"the commit vote of step {held.step}", commit_timeout):
+            return cast_vote(
+                client,
+                rank.settings.group_rank,
+                held.step,
+                quorum is not None and step.ok,
+                quorum_id=quorum.quorum_id if quorum is not None else 0,
+                torn=held.torn,
+                timeout=commit_timeout,
+            )
     except (TimeoutError, ConnectionError, ValueError) as e:
         log.warning("commit vote of step %d failed: %s", held.step, e)
         # Whether the other ranks' heals succeeded is unknown.

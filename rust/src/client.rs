@@ -296,6 +296,30 @@ impl ManagerClient {
         .await
     }
 
+    /// Reports a rank's training progress (see `proto::ProgressReport`).
+    pub async fn progress(
+        &self,
+        report: proto::ProgressReport,
+        timeout: Duration,
+    ) -> Result<(), Error> {
+        let request = with_timeout(
+            proto::ProgressReport {
+                protocol_version: PROTOCOL_VERSION,
+                ..report
+            },
+            timeout,
+        );
+        let mut client = self.inner.clone();
+        call(
+            "manager server",
+            &self.address,
+            timeout,
+            client.progress(request),
+        )
+        .await
+        .map(|_| ())
+    }
+
     /// Subscribes to the membership-loss events the manager relays.
     pub async fn events(
         &self,

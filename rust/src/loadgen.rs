@@ -54,7 +54,7 @@ fn beat(replica_id: &str) -> proto::Beat {
         seq: 0,
         manager_address: String::new(),
         refused: Vec::new(),
-        tally: None,
+        ..Default::default()
     }
 }
 

@@ -81,7 +81,7 @@ fn beat(id: &str) -> proto::Beat {
         seq: 0,
         manager_address: String::new(),
         refused: Vec::new(),
-        tally: None,
+        ..Default::default()
     }
 }
 

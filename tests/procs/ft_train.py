@@ -12,6 +12,8 @@ optimizer steps. It prints {"event": "pausing", "step": ...} first; the test sen
 SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, before its
 backward, so that its peers' all-reduce waits for its part (the heartbeat goes on),
 until the test sends SIGUSR1. The condition reads the previous step's quorum there.
+`--hold-in-heal` holds the training thread the same way inside its first heal, as it
+loads the state it fetched.
 """
 
 from __future__ import annotations
@@ -74,6 +76,20 @@ class _StopBeforeVote:
         return getattr(self._client, name)
 
 
+def held_once(load):
+    """`load`, whose first call holds the training thread (until SIGUSR1) first."""
+    held = []
+
+    def hold_then_load(state, *a, **kw):
+        if not held:
+            held.append(True)
+            print(json.dumps({"event": "holding", "in": "heal"}), flush=True)
+            signal.sigtimedwait([signal.SIGUSR1], 60)
+        return load(state, *a, **kw)
+
+    return hold_then_load
+
+
 def print_step(manager: phalanx.Manager, step: int, committed: bool, loss: float, digest: str):
     """The step's JSON line, which the tests read."""
     line = {
@@ -103,6 +119,11 @@ def parse_args() -> argparse.Namespace:
         "--pause-phase", choices=["in_allreduce", "before_vote", "after_vote"], default=None
     )
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument(
+        "--hold-in-heal",
+        action="store_true",
+        help="hold the training thread inside its first heal (loading the fetched state)",
+    )
     parser.add_argument("--pause-participants", type=int, default=1)
     parser.add_argument(
         "--first-heal-timeout",
@@ -116,11 +137,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
 
-    if args.hold_at >= 0:
+    if args.hold_at >= 0 or args.hold_in_heal:
         # Blocked in every thread (they inherit it), so that it waits for sigtimedwait.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if args.hold_in_heal:
+        model.load_state_dict = held_once(model.load_state_dict)
     manager = phalanx.Manager(timeout=args.timeout)
     ddp = phalanx.DistributedDataParallel(model, manager)
     optimizer = phalanx.Optimizer(manager, torch.optim.Adam(model.parameters(), lr=0.01))

@@ -171,6 +171,8 @@ class DemoJob(launcher.LaunchObserver):
             self.progress.event(f"{elapsed}  SIGKILL {group.replica_id}")
         elif kind == "hang":
             self.progress.event(f"{elapsed}  SIGSTOP {group.replica_id}")
+        elif kind == "hang-thread":
+            self.progress.event(f"{elapsed}  training thread of {group.replica_id} blocked")
         elif kind == "resume":
             self.progress.event(f"{elapsed}  SIGCONT {group.replica_id}")
 
@@ -249,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
     parser.add_argument(
+        "--hang-thread-every",
+        type=duration,
+        help="block the training thread of a random group's rank this often (for 60 s; "
+        "the group is evicted as stalled and restarted)",
+    )
+    parser.add_argument(
         "--strategy",
         choices=["ddp", "hsdp", "diloco"],
         default="ddp",
@@ -325,7 +333,11 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         replicas=args.replicas,
         nproc_per_replica=args.nproc_per_replica,
         chaos=launcher.Chaos(
-            kill_every=args.kill_every or None, hang_every=args.hang_every or None, hang_for=3.0
+            kill_every=args.kill_every or None,
+            hang_every=args.hang_every or None,
+            hang_for=3.0,
+            hang_thread_every=args.hang_thread_every or None,
+            hang_thread_for=60.0,
         ),
         chaos_seed=args.seed,
         max_restarts=3,  # failures not injected: a broken setup gives up soon
@@ -348,6 +360,7 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
         "hang_every_s": args.hang_every,
+        "hang_thread_every_s": args.hang_thread_every,
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,

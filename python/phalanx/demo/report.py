@@ -65,7 +65,7 @@ from collections.abc import Iterable
 from typing import Any
 
 #: Launcher events that are failures injected on purpose.
-FAILURE_KINDS = ("kill", "hang")
+FAILURE_KINDS = ("kill", "hang", "hang-thread")
 
 #: Steps averaged for the initial and the final loss.
 LOSS_WINDOW = 10
@@ -350,6 +350,11 @@ def analyze(
         **_healthy_report(healthy, zero),
         "failures_injected": len(found),
         "failures_recovered": sum(f["back_t"] is not None for f in found),
+        # A blocked training thread ("hang-thread") is a failure of its own kind: its
+        # group is evicted as stalled and restarted, unlike a SIGSTOP ("hang").
+        "failures_by_kind": {
+            kind: n for kind in FAILURE_KINDS if (n := sum(f["kind"] == kind for f in found))
+        },
         "recoveries": len(recovery_seconds),
         "recovery_seconds": [_round(s, 3) for s in recovery_seconds],
         "recovery_seconds_median": _round(
@@ -429,7 +434,12 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         (
             "failures injected / groups back",
-            f"{r['failures_injected']} / {r['failures_recovered']}",
+            f"{r['failures_injected']} / {r['failures_recovered']}"
+            + (
+                " (" + ", ".join(f"{k} {n}" for k, n in r["failures_by_kind"].items()) + ")"
+                if r.get("failures_by_kind")
+                else ""
+            ),
         ),
         (
             "recovery (restart -> first commit), median",
@@ -517,7 +527,9 @@ def failure_label(failure: dict[str, Any]) -> str:
     back in 1.30 s
     restart → commit 0.41 s
     """
-    what = {"kill": "killed", "hang": "hung"}.get(failure["kind"], failure["kind"])
+    what = {"kill": "killed", "hang": "hung", "hang-thread": "thread hung"}.get(
+        failure["kind"], failure["kind"]
+    )
     lines = [f"{failure['replica']} {what} at {failure['at_s']:.1f} s"]
     if failure["back_after_s"] is None:
         lines.append("not back")

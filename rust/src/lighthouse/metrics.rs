@@ -118,6 +118,9 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
     let healing = Family::<GroupLabels, Gauge>::default();
     let heartbeat_age = Family::<GroupLabels, FloatGauge>::default();
     let last_commit_age = Family::<GroupLabels, FloatGauge>::default();
+    let progress_age = Family::<GroupLabels, FloatGauge>::default();
+    let step_time = Family::<GroupLabels, FloatGauge>::default();
+    let straggler = Family::<GroupLabels, Gauge>::default();
     let losses = Family::<GroupLabels, Counter>::default();
     let returns = Family::<GroupLabels, Counter>::default();
     let committed = Family::<GroupLabels, Counter>::default();
@@ -143,6 +146,19 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
         last_commit_age
             .get_or_create(&group(&r.replica_id))
             .set(seconds(r.last_commit_age_ms));
+        if let Some(ms) = r.progress_age_ms {
+            progress_age
+                .get_or_create(&group(&r.replica_id))
+                .set(seconds(ms));
+        }
+        if let Some(ms) = r.step_time_ms {
+            step_time
+                .get_or_create(&group(&r.replica_id))
+                .set(seconds(ms));
+        }
+        straggler
+            .get_or_create(&group(&r.replica_id))
+            .set(r.straggler.into());
         histories.push((&r.replica_id, &r.history));
     }
     for l in &snapshot.lost {
@@ -201,6 +217,25 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
         "group_heartbeat_age_seconds",
         "Time since a live replica group's last heartbeat",
         heartbeat_age,
+    );
+    registry.register(
+        "group_progress_age_seconds",
+        "Time since a live replica group's training last made progress (a wait on the \
+         other groups within its deadline counts as progress); past its stall timeout \
+         while a peer waits on it, the group is evicted",
+        progress_age,
+    );
+    registry.register(
+        "group_step_time_seconds",
+        "A replica group's own work in its last step (its slowest rank's), waits on the \
+         other groups left out",
+        step_time,
+    );
+    registry.register(
+        "group_straggler",
+        "1 for a member of the quorum whose step time is at least twice the other \
+         members' median",
+        straggler,
     );
     registry.register(
         "group_losses",
@@ -328,6 +363,7 @@ mod tests {
             losses: Losses {
                 stream_broken,
                 heartbeat_timeout: 0,
+                progress_stalled: 0,
             },
             returns,
             tally,
@@ -346,6 +382,9 @@ mod tests {
             step_rate: Some(2.5),
             heartbeat_age_ms: 120,
             last_commit_age_ms: 1500,
+            progress_age_ms: Some(2500),
+            step_time_ms: Some(400),
+            straggler: true,
             peer: "127.0.0.1:5000".into(),
             history: history(1, 1),
         };
@@ -366,6 +405,10 @@ mod tests {
             r#"phalanx_lighthouse_group_step_rate{replica_id="a"} 2.5"#,
             r#"phalanx_lighthouse_group_healing{replica_id="a"} 1"#,
             r#"phalanx_lighthouse_group_heartbeat_age_seconds{replica_id="a"} 0.12"#,
+            r#"phalanx_lighthouse_group_progress_age_seconds{replica_id="a"} 2.5"#,
+            r#"phalanx_lighthouse_group_step_time_seconds{replica_id="a"} 0.4"#,
+            r#"phalanx_lighthouse_group_straggler{replica_id="a"} 1"#,
+            r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="progress_stalled"} 0"#,
             r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="stream_broken"} 2"#,
             r#"phalanx_lighthouse_group_losses_total{replica_id="b",cause="heartbeat_timeout"} 0"#,
             r#"phalanx_lighthouse_group_returns_total{replica_id="a"} 1"#,

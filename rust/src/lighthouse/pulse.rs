@@ -25,6 +25,35 @@ pub struct Pulse {
     lease_quorum: AtomicU64,
     /// The highest quorum id the lighthouse has heard from anyone.
     heard: Arc<AtomicU64>,
+    /// What the group's beats say of its training (see `Training`); `stalled_since_ns`
+    /// is `RETIRED` while the group does not report it, `waiting_since_ns` while it
+    /// does not wait.
+    stalled_since_ns: AtomicI64,
+    waiting_since_ns: AtomicI64,
+    stall_timeout_ms: AtomicU64,
+    step_time_ms: AtomicU64,
+}
+
+/// A group's training progress as its last beat told it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Training {
+    /// Since when the group has made no progress (about when its last beat was sent,
+    /// while it trains).
+    pub stalled_since: Instant,
+    /// Since when some rank of it waits on the other groups; None: none does.
+    pub waiting_since: Option<Instant>,
+    /// The group asks to be evicted after this long without progress while a peer
+    /// waits on it.
+    pub stall_timeout: Duration,
+    /// Its own work per step (waits on others left out); None until measured.
+    pub step_time: Option<Duration>,
+}
+
+impl Training {
+    /// When the group is due for eviction unless it moves.
+    pub fn due(&self) -> Instant {
+        self.stalled_since + self.stall_timeout
+    }
 }
 
 impl Pulse {
@@ -35,7 +64,54 @@ impl Pulse {
             step: AtomicI64::new(step),
             lease_quorum: AtomicU64::new(0),
             heard,
+            stalled_since_ns: AtomicI64::new(RETIRED),
+            waiting_since_ns: AtomicI64::new(RETIRED),
+            stall_timeout_ms: AtomicU64::new(0),
+            step_time_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Records what a beat received at `now` says of the group's training; true when
+    /// the group just began to wait on the others (a stalled peer may be due now).
+    pub fn trained(&self, now: Instant, beat: &crate::proto::Beat) -> bool {
+        if beat.stall_timeout_ms == 0 {
+            self.stalled_since_ns.store(RETIRED, Relaxed);
+            return false;
+        }
+        let since = now
+            .checked_sub(Duration::from_millis(beat.progress_age_ms))
+            .unwrap_or(self.epoch);
+        self.stall_timeout_ms.store(beat.stall_timeout_ms, Relaxed);
+        self.step_time_ms.store(beat.step_time_ms, Relaxed);
+        self.stalled_since_ns
+            .store(offset(self.epoch, since), Relaxed);
+        let waiting_since = match beat.waiting_ms {
+            0 => RETIRED,
+            ms => offset(
+                self.epoch,
+                now.checked_sub(Duration::from_millis(ms))
+                    .unwrap_or(self.epoch),
+            ),
+        };
+        let before = self.waiting_since_ns.swap(waiting_since, Relaxed);
+        before == RETIRED && waiting_since != RETIRED
+    }
+
+    /// The group's training progress; None while it does not report it.
+    pub fn training(&self) -> Option<Training> {
+        let ns = self.stalled_since_ns.load(Relaxed);
+        (ns != RETIRED).then(|| Training {
+            stalled_since: instant(self.epoch, ns),
+            waiting_since: match self.waiting_since_ns.load(Relaxed) {
+                RETIRED => None,
+                ns => Some(instant(self.epoch, ns)),
+            },
+            stall_timeout: Duration::from_millis(self.stall_timeout_ms.load(Relaxed)),
+            step_time: match self.step_time_ms.load(Relaxed) {
+                0 => None,
+                ms => Some(Duration::from_millis(ms)),
+            },
+        })
     }
 
     /// Records a beat at `now`; false (and nothing recorded) once the pulse is retired.
@@ -63,12 +139,7 @@ impl Pulse {
         if ns == RETIRED {
             return self.epoch;
         }
-        let magnitude = Duration::from_nanos(ns.unsigned_abs());
-        if ns >= 0 {
-            self.epoch + magnitude
-        } else {
-            self.epoch - magnitude
-        }
+        instant(self.epoch, ns)
     }
 
     pub fn step(&self) -> i64 {
@@ -100,6 +171,15 @@ impl Pulse {
 
     pub fn set_lease_quorum(&self, quorum_id: u64) {
         self.lease_quorum.store(quorum_id, Release);
+    }
+}
+
+fn instant(epoch: Instant, ns: i64) -> Instant {
+    let magnitude = Duration::from_nanos(ns.unsigned_abs());
+    if ns >= 0 {
+        epoch + magnitude
+    } else {
+        epoch - magnitude
     }
 }
 

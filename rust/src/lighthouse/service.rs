@@ -5,6 +5,7 @@
 //! expiry) and is woken only when an earlier one appears. There is no polling tick.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,6 +26,9 @@ pub(crate) struct Shared {
     pub(crate) metrics: Metrics,
     wake: Notify,
     pub(crate) started: Instant,
+    /// A member of the quorum is due for eviction as stalled but no peer waits on it
+    /// yet: the first beat that says a peer began to wait wakes the deadline task.
+    stall_overdue: AtomicBool,
 }
 
 fn unix_ms() -> i64 {
@@ -51,6 +55,7 @@ impl Shared {
             metrics: Metrics::new(),
             wake: Notify::new(),
             started: Instant::now(),
+            stall_overdue: AtomicBool::new(false),
         })
     }
 
@@ -61,6 +66,11 @@ impl Shared {
 
     /// Runs the engine after a change and makes sure the background task wakes in time.
     fn evaluate(&self, st: &mut LighthouseState, now: Instant) {
+        let (stalled, overdue) = st.evict_stalled(now);
+        for _ in stalled {
+            self.evicted(Eviction::ProgressStalled);
+        }
+        self.stall_overdue.store(overdue, Relaxed);
         if let Some(issued) = st.evaluate(now, unix_ms()) {
             self.metrics.quorums_issued.inc();
             self.metrics
@@ -103,7 +113,7 @@ impl Shared {
                 }
                 st.sample_steps(now);
                 self.evaluate(&mut st, now);
-                let next = st.next_wakeup();
+                let next = st.next_wakeup(now);
                 st.ticker_deadline = next;
                 next
             };
@@ -277,6 +287,7 @@ impl Lighthouse for LighthouseService {
             None => false,
         };
         acknowledge(first.seq, pulse.lease_quorum());
+        pulse.trained(Instant::now(), &first);
         self.shared.report(&first.replica_id, &first);
 
         let shared = self.shared.clone();
@@ -297,6 +308,11 @@ impl Lighthouse for LighthouseService {
                         }
                         if !acknowledge(beat.seq, pulse.lease_quorum()) {
                             return;
+                        }
+                        if pulse.trained(Instant::now(), &beat)
+                            && shared.stall_overdue.load(Relaxed)
+                        {
+                            shared.wake.notify_one();
                         }
                         shared.report(&replica_id, &beat);
                     }
@@ -338,6 +354,9 @@ impl Lighthouse for LighthouseService {
                     step: r.step,
                     heartbeat_age_ms: r.heartbeat_age_ms,
                     peer: r.peer,
+                    progress_age_ms: r.progress_age_ms.unwrap_or_default(),
+                    step_time_ms: r.step_time_ms.unwrap_or_default(),
+                    straggler: r.straggler,
                 })
                 .collect(),
             waiting_for: snap.waiting_for,

@@ -15,7 +15,7 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
-use super::pulse::Pulse;
+use super::pulse::{Pulse, Training};
 use super::tally::Tally;
 use crate::gate::RefusalCounts;
 use crate::proto;
@@ -43,15 +43,23 @@ pub enum Eviction {
     StreamBroken,
     /// Connected but silent for longer than the heartbeat timeout: hung.
     HeartbeatTimeout,
+    /// Beating, but its training made no progress for its stall timeout while a peer
+    /// waited on it: a hung training thread.
+    ProgressStalled,
 }
 
 impl Eviction {
-    pub const ALL: [Eviction; 2] = [Eviction::StreamBroken, Eviction::HeartbeatTimeout];
+    pub const ALL: [Eviction; 3] = [
+        Eviction::StreamBroken,
+        Eviction::HeartbeatTimeout,
+        Eviction::ProgressStalled,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Eviction::StreamBroken => "stream_broken",
             Eviction::HeartbeatTimeout => "heartbeat_timeout",
+            Eviction::ProgressStalled => "progress_stalled",
         }
     }
 }
@@ -67,6 +75,7 @@ impl serde::Serialize for Eviction {
 pub struct Losses {
     pub stream_broken: u64,
     pub heartbeat_timeout: u64,
+    pub progress_stalled: u64,
 }
 
 impl Losses {
@@ -74,6 +83,7 @@ impl Losses {
         match cause {
             Eviction::StreamBroken => self.stream_broken,
             Eviction::HeartbeatTimeout => self.heartbeat_timeout,
+            Eviction::ProgressStalled => self.progress_stalled,
         }
     }
 
@@ -81,6 +91,7 @@ impl Losses {
         match cause {
             Eviction::StreamBroken => self.stream_broken += 1,
             Eviction::HeartbeatTimeout => self.heartbeat_timeout += 1,
+            Eviction::ProgressStalled => self.progress_stalled += 1,
         }
     }
 }
@@ -491,8 +502,14 @@ impl LighthouseState {
     /// while), answers its pending request, and tells the other members of the current
     /// quorum at once.
     fn evict(&mut self, replica_id: &str, cause: Eviction, now: Instant) {
+        // A group evicted as stalled still reads its stream: it is told, so that its
+        // ranks dump what they were doing and exit to be restarted.
+        let mut own = None;
         if let Some(r) = self.replicas.remove(replica_id) {
             r.pulse.retire();
+            if cause == Eviction::ProgressStalled {
+                own = r.stream.as_ref().map(|s| s.events.clone());
+            }
             self.remember_lost(replica_id, r, cause, now);
         }
         self.joiners.remove(replica_id);
@@ -523,6 +540,74 @@ impl LighthouseState {
                 let _ = stream.events.try_send(Ok(event.clone()));
             }
         }
+        if let Some(own) = own {
+            let _ = own.try_send(Ok(event));
+        }
+    }
+
+    /// The training progress of a live member of the current quorum that reports it.
+    fn training(&self, replica_id: &str) -> Option<Training> {
+        self.replicas.get(replica_id)?.pulse.training()
+    }
+
+    /// Since when a member waits on the others: it asks for the next quorum, or some
+    /// rank of it sits in a collective, a vote or a heal.
+    fn waiting_since(&self, replica_id: &str) -> Option<Instant> {
+        let joined = self.joiners.get(replica_id).map(|j| j.joined_at);
+        let training = self.training(replica_id).and_then(|t| t.waiting_since);
+        joined.into_iter().chain(training).min()
+    }
+
+    /// When member `id` of `quorum` is due as stalled (it made no progress for its
+    /// stall timeout) and when it is to be evicted: once due, and once a peer has
+    /// waited for half the timeout. A shorter wait is no sign of a hang (a peer's vote
+    /// waiting for its lease while this group, done with its steps, idles); a hang
+    /// keeps its peers waiting from about when it began, so the half is over before
+    /// the timeout. Neither for a group that does not report its progress, or that
+    /// asks for a quorum itself (every one of its ranks got that far); no eviction
+    /// time while no peer waits.
+    fn stall_due(&self, quorum: &Quorum, id: &str) -> (Option<Instant>, Option<Instant>) {
+        if self.joiners.contains_key(id) {
+            return (None, None);
+        }
+        let Some(training) = self.training(id) else {
+            return (None, None);
+        };
+        let evict_at = quorum
+            .replica_ids()
+            .filter(|peer| *peer != id)
+            .filter_map(|peer| self.waiting_since(peer))
+            .min()
+            .map(|since| (since + training.stall_timeout / 2).max(training.due()));
+        (Some(training.due()), evict_at)
+    }
+
+    /// Evicts every member of the current quorum that has made no progress for its
+    /// stall timeout while another member waits on it (see `stall_due`); returns them,
+    /// and whether a member is due but waited on by nobody yet (the first peer that
+    /// begins to wait wakes the deadline task, see `Pulse::trained`).
+    pub fn evict_stalled(&mut self, now: Instant) -> (Vec<ReplicaId>, bool) {
+        let Some(quorum) = &self.previous else {
+            return (Vec::new(), false);
+        };
+        let mut overdue = false;
+        let mut stalled = Vec::new();
+        for id in quorum.replica_ids() {
+            match self.stall_due(quorum, id) {
+                (_, Some(at)) if at <= now => stalled.push(id.to_string()),
+                (Some(due), None) if due <= now => overdue = true,
+                _ => {}
+            }
+        }
+        for id in &stalled {
+            tracing::warn!(
+                replica_id = id,
+                "replica group made no progress for its stall timeout while its peers wait \
+                 on it: evicted"
+            );
+            self.evict(id, Eviction::ProgressStalled, now);
+        }
+        (stalled, overdue)
     }
 
     fn remember_lost(&mut self, replica_id: &str, r: Replica, cause: Eviction, now: Instant) {
@@ -670,16 +755,27 @@ impl LighthouseState {
 
     /// When the background task must look again: the engine's deadline or the next
     /// heartbeat expiry, whichever is first.
-    pub fn next_wakeup(&self) -> Option<Instant> {
+    pub fn next_wakeup(&self, now: Instant) -> Option<Instant> {
         let expiry = self
             .replicas
             .values()
             .map(|r| r.pulse.last_beat() + self.heartbeat_timeout)
             .min();
-        match (self.waiting.1, expiry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        // A stall due later; one due already waits for a peer to wait (see
+        // `evict_stalled`), which wakes the task itself.
+        let stall = self
+            .previous
+            .iter()
+            .flat_map(|q| q.replica_ids().map(move |id| (q, id)))
+            .flat_map(|(q, id)| {
+                let (due, evict_at) = self.stall_due(q, id);
+                [due, evict_at].into_iter().flatten().filter(|at| *at > now)
+            });
+        [self.waiting.1, expiry]
+            .into_iter()
+            .flatten()
+            .chain(stall)
+            .min()
     }
 
     pub fn waiting_until(&self) -> Option<Instant> {
@@ -719,6 +815,16 @@ impl LighthouseState {
             .map(|(id, r)| self.replica_snapshot(id, r, max_step, now))
             .collect();
         replicas.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
+        let members: Vec<(usize, Duration)> = replicas
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.in_quorum)
+            .filter_map(|(i, r)| Some((i, Duration::from_millis(r.step_time_ms?))))
+            .collect();
+        let times: Vec<Duration> = members.iter().map(|(_, t)| *t).collect();
+        for (k, (i, _)) in members.iter().enumerate() {
+            replicas[*i].straggler = straggler(&times, k);
+        }
         let lost = self
             .lost
             .iter()
@@ -768,6 +874,7 @@ impl LighthouseState {
     ) -> ReplicaSnapshot {
         let in_quorum = self.previous.as_ref().is_some_and(|q| q.contains(id));
         let (last_beat, step) = (r.pulse.last_beat(), r.pulse.step());
+        let training = r.pulse.training();
         ReplicaSnapshot {
             replica_id: id.to_string(),
             connected: r.stream.is_some(),
@@ -784,6 +891,11 @@ impl LighthouseState {
                 .flatten(),
             heartbeat_age_ms: ms_since(last_beat, now),
             last_commit_age_ms: ms_since(r.last_commit, now),
+            progress_age_ms: training.map(|t| ms_since(t.stalled_since, now)),
+            step_time_ms: training
+                .and_then(|t| t.step_time)
+                .map(|d| d.as_millis() as u64),
+            straggler: false,
             peer: r
                 .stream
                 .as_ref()
@@ -803,6 +915,26 @@ fn ms_since(then: Instant, now: Instant) -> u64 {
 /// its step by a jump that says nothing of its speed; its rate starts from there.
 fn stepping(quorum: Option<&Quorum>, replica_id: &str, step: i64, max_step: i64) -> bool {
     quorum.is_some_and(|q| q.contains(replica_id)) && step >= max_step
+}
+
+/// Whether member `k` of a quorum, whose own work per step takes `times[k]`, is far
+/// slower than the others: at least twice their median and 100 ms more. In a
+/// synchronous job every group's wall time per step is the slowest one's, so only the
+/// time a group spends on its own work, waits on the others left out, tells who
+/// holds the others up.
+pub fn straggler(times: &[Duration], k: usize) -> bool {
+    let mut others: Vec<Duration> = times
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != k)
+        .map(|(_, t)| *t)
+        .collect();
+    if others.is_empty() {
+        return false;
+    }
+    others.sort();
+    let median = others[others.len() / 2];
+    times[k] >= median * 2 && times[k] >= median + Duration::from_millis(100)
 }
 
 /// The lighthouse as the status page, `/status` and the `Status` RPC show it.
@@ -845,6 +977,13 @@ pub struct ReplicaSnapshot {
     pub heartbeat_age_ms: u64,
     /// Since it last committed a step (or since it appeared).
     pub last_commit_age_ms: u64,
+    /// How long it has made no training progress (a wait on the other groups within
+    /// its deadline counts as progress); none when it does not report it.
+    pub progress_age_ms: Option<u64>,
+    /// Its slowest rank's own work in its last step, waits on the others left out.
+    pub step_time_ms: Option<u64>,
+    /// A member far slower than the other members (see `straggler`).
+    pub straggler: bool,
     pub peer: String,
     #[serde(flatten)]
     pub history: History,
@@ -920,6 +1059,128 @@ mod tests {
         got.next().unwrap()
     }
 
+    /// A beat of a group that reports its training: no progress for `age_ms`,
+    /// waiting on the others for `waiting_ms` (0: not), with a 5 s stall timeout.
+    fn trained(pulse: &Pulse, now: Instant, age_ms: u64, waiting_ms: u64) {
+        let beat = proto::Beat {
+            progress_age_ms: age_ms,
+            waiting_ms,
+            stall_timeout_ms: 5000,
+            step_time_ms: 200,
+            ..beat("any")
+        };
+        assert!(pulse.beat(now, 0, 0));
+        pulse.trained(now, &beat);
+    }
+
+    fn lost(events: &mut Events) -> proto::MembershipLost {
+        match events.try_recv().unwrap().unwrap().event {
+            Some(proto::lighthouse_event::Event::MembershipLost(lost)) => lost,
+            other => panic!("expected a membership loss, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_member_stalled_while_a_peer_waits_on_it_is_evicted_and_told() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), mut a_events) = open(&mut s, "a", t);
+        let ((_, b), mut b_events) = open(&mut s, "b", t);
+        form_quorum(&mut s, &["a", "b"], t);
+        // b's training thread stops at 1 s; a trains on, then waits on b from 1.5 s.
+        for n in (0..=6000).step_by(100) {
+            trained(&a, ms(n), 0, n.saturating_sub(1500));
+            trained(&b, ms(n), n.saturating_sub(1000), 0);
+            let now = ms(n);
+            if n < 6000 {
+                assert_eq!(s.evict_stalled(now), (vec![], false), "at {n} ms");
+                if n == 4500 {
+                    assert_eq!(s.next_wakeup(now), Some(ms(6000)), "wakes when b is due");
+                }
+            }
+        }
+        assert_eq!(s.evict_stalled(ms(6000)), (vec!["b".to_string()], false));
+        let told = lost(&mut a_events);
+        assert_eq!(
+            (told.lost.as_slice(), told.cause.as_str()),
+            (&["b".to_string()][..], "progress_stalled")
+        );
+        let own = lost(&mut b_events);
+        assert_eq!(
+            own.lost,
+            vec!["b".to_string()],
+            "the stalled group is told too"
+        );
+        assert!(b.is_retired());
+        let snap = s.snapshot(ms(6000));
+        assert_eq!(snap.lost[0].cause, Eviction::ProgressStalled);
+        assert_eq!(snap.lost[0].history.losses.progress_stalled, 1);
+    }
+
+    #[test]
+    fn a_stalled_member_nobody_waits_on_stays_until_a_peer_waits() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), _a_events) = open(&mut s, "a", t);
+        let ((_, b), _b_events) = open(&mut s, "b", t);
+        form_quorum(&mut s, &["a", "b"], t);
+        // Both quiet for 8 s (a long step with no marks in it): neither is evicted.
+        trained(&a, ms(8000), 8000, 0);
+        trained(&b, ms(8000), 8000, 0);
+        assert_eq!(
+            s.evict_stalled(ms(8000)),
+            (vec![], true),
+            "overdue, not evicted"
+        );
+        // a moves on and waits: a wait that short is no sign that b hangs (b may be
+        // done with its steps, a's vote waiting for its lease)...
+        trained(&a, ms(8100), 0, 100);
+        trained(&b, ms(8100), 8100, 0);
+        assert_eq!(s.evict_stalled(ms(8100)), (vec![], false));
+        // (The deadline task wakes at the heartbeat expiry before that, and then at it.)
+        // ...but half the stall timeout of it is: b, still stalled, goes.
+        trained(&a, ms(10500), 0, 2500);
+        trained(&b, ms(10500), 10500, 0);
+        assert_eq!(s.evict_stalled(ms(10500)).0, vec!["b".to_string()]);
+    }
+
+    #[test]
+    fn a_group_that_waits_or_asks_for_a_quorum_or_reports_nothing_is_not_stalled() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), _a_events) = open(&mut s, "a", t);
+        let ((_, b), _b_events) = open(&mut s, "b", t);
+        let ((_, c), _c_events) = open(&mut s, "c", t);
+        form_quorum(&mut s, &["a", "b", "c"], t);
+        // a waits (in its deadline: age 0); c reports nothing (an older client).
+        trained(&a, ms(9000), 0, 9000);
+        trained(&b, ms(9000), 0, 9000);
+        assert!(c.beat(ms(9000), 0, 0));
+        assert_eq!(s.evict_stalled(ms(9000)), (vec![], false));
+        // b stalls but asks for the next quorum: all its ranks got that far.
+        trained(&b, ms(20000), 10000, 0);
+        trained(&a, ms(20000), 0, 20000);
+        assert!(c.beat(ms(20000), 0, 0));
+        let (tx, _rx) = oneshot::channel();
+        s.join(member("b"), 1, ms(20000), tx).unwrap();
+        assert_eq!(s.evict_stalled(ms(20000)), (vec![], false));
+    }
+
+    #[test]
+    fn a_straggler_is_at_least_twice_the_others_median_and_100_ms_more() {
+        let d = Duration::from_millis;
+        assert!(straggler(&[d(200), d(210), d(900)], 2));
+        assert!(!straggler(&[d(200), d(210), d(900)], 0));
+        assert!(
+            !straggler(&[d(20), d(21), d(60)], 2),
+            "fast steps need 100 ms more"
+        );
+        assert!(!straggler(&[d(900)], 0), "alone, nobody is slower");
+    }
+
     #[test]
     fn a_broken_stream_evicts_at_once_and_tells_the_other_members() {
         let t = Instant::now();
@@ -954,7 +1215,7 @@ mod tests {
         let expired = s.expire(t + Duration::from_millis(2000));
         assert_eq!(expired, [("b".to_string(), Eviction::HeartbeatTimeout)]);
         assert_eq!(s.live_replicas(), 1);
-        assert_eq!(s.next_wakeup(), Some(t + Duration::from_millis(3900)));
+        assert_eq!(s.next_wakeup(t), Some(t + Duration::from_millis(3900)));
     }
 
     #[test]
@@ -1130,7 +1391,8 @@ mod tests {
             b.history.losses,
             Losses {
                 stream_broken: 1,
-                heartbeat_timeout: 1
+                heartbeat_timeout: 1,
+                progress_stalled: 0,
             }
         );
         assert_eq!(b.history.returns, 1);

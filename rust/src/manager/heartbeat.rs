@@ -10,12 +10,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::{broadcast, mpsc, watch};
 use tonic::Streaming;
 
+use super::progress::Board;
 use crate::client::LighthouseClient;
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
+
+/// How long a group evicted as stalled waits before it heartbeats again: its ranks are
+/// exiting to be restarted (see `phalanx.watchdog`), and a stream re-opened meanwhile
+/// would show it live again, and its eviction's cause overwritten, on the status page.
+const REOPEN_AFTER_STALL: Duration = Duration::from_secs(5);
 
 /// What a group's heartbeat reports besides being alive.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,6 +110,8 @@ pub struct Heartbeat {
     pub refusals: Arc<GroupRefusals>,
     /// The group's steps and heals so far.
     pub tally: Arc<dyn Fn() -> proto::GroupTally + Send + Sync>,
+    /// The ranks' training progress, summed up on every beat.
+    pub board: Arc<Mutex<Board>>,
 }
 
 impl Heartbeat {
@@ -120,7 +128,14 @@ impl Heartbeat {
             {
                 Ok(stream) => {
                     backoff = self.interval;
-                    self.follow(stream, &in_flight).await;
+                    if self.follow(stream, &in_flight).await {
+                        tracing::error!(
+                            replica_id = self.replica_id,
+                            "the lighthouse evicted this group as stalled: its training made \
+                             no progress while its peers waited on it"
+                        );
+                        backoff = REOPEN_AFTER_STALL;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -177,10 +192,16 @@ impl Heartbeat {
     /// they changed (and on a stream's first).
     fn beat_maker(&self) -> impl FnMut(Progress, u64) -> proto::Beat + Send + 'static {
         let refusals = self.refusals.clone();
+        let board = self.board.clone();
         let mut reported = RefusalCounts::new();
         let tally = self.tally.clone();
         let mut tallied = None;
         move |p: Progress, seq: u64| {
+            let trained = board
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .summary(Instant::now());
+            let ms = |d: Duration| d.as_millis().min(u64::MAX as u128) as u64;
             let totals = refusals.totals();
             let refused = if totals == reported {
                 Vec::new()
@@ -202,17 +223,29 @@ impl Heartbeat {
                 seq,
                 refused,
                 tally,
+                progress_age_ms: ms(trained.progress_age),
+                waiting_ms: ms(trained.waiting),
+                stall_timeout_ms: ms(trained.stall_timeout),
+                step_time_ms: ms(trained.step_time),
             }
         }
     }
 
-    /// Acts on what the lighthouse sends until the stream ends.
-    async fn follow(&self, mut stream: Streaming<proto::LighthouseEvent>, in_flight: &InFlight) {
+    /// Acts on what the lighthouse sends until the stream ends; true when it ended
+    /// because the group was evicted as stalled.
+    async fn follow(
+        &self,
+        mut stream: Streaming<proto::LighthouseEvent>,
+        in_flight: &InFlight,
+    ) -> bool {
         let replica_id = &self.replica_id;
+        let mut stalled = false;
         loop {
             match stream.message().await {
                 Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
                     Event::MembershipLost(lost) => {
+                        stalled |= lost.cause == "progress_stalled"
+                            && lost.lost.iter().any(|id| id == replica_id);
                         let _ = self.events.send(lost);
                     }
                     Event::Lease(granted) => {
@@ -226,12 +259,13 @@ impl Heartbeat {
                     }
                 },
                 Ok(Some(_)) => {}
+                Ok(None) if stalled => return true,
                 Ok(None) => {
                     tracing::warn!(
                         replica_id,
                         "the lighthouse ended the heartbeat stream; re-opening"
                     );
-                    return;
+                    return false;
                 }
                 Err(status) => {
                     tracing::warn!(
@@ -239,7 +273,7 @@ impl Heartbeat {
                         "heartbeat stream lost: {}; re-opening",
                         status.message()
                     );
-                    return;
+                    return stalled;
                 }
             }
         }

@@ -9,6 +9,7 @@
 mod group;
 mod heartbeat;
 pub mod plan;
+pub mod progress;
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -92,6 +93,8 @@ struct Shared {
     refusals: Arc<GroupRefusals>,
     store: SharedStore,
     store_address: String,
+    /// The ranks' training progress, which the heartbeat reports.
+    board: Arc<Mutex<progress::Board>>,
 }
 
 impl Shared {
@@ -319,6 +322,39 @@ impl Manager for ManagerService {
         Ok(Response::new(decision))
     }
 
+    async fn progress(
+        &self,
+        request: Request<proto::ProgressReport>,
+    ) -> Result<Response<proto::ProgressAck>, Status> {
+        let req = request.into_inner();
+        validate::protocol_version(req.protocol_version)?;
+        check_rank(req.group_rank, self.shared.options.world_size)?;
+        let report = progress::RankReport {
+            marks: req.marks,
+            wait_left: if req.waiting {
+                Some(Duration::from_millis(
+                    req.wait_left_ms.min(validate::MAX_TIMEOUT_MS),
+                ))
+            } else {
+                None
+            },
+            stall_timeout: if req.stall_timeout_ms == 0 {
+                Duration::ZERO
+            } else {
+                validate::timeout_ms(req.stall_timeout_ms).map_err(|s| {
+                    Status::invalid_argument(format!("stall_timeout_ms: {}", s.message()))
+                })?
+            },
+            step_time: Duration::from_millis(req.step_time_ms.min(validate::MAX_TIMEOUT_MS)),
+        };
+        self.shared
+            .board
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .report(req.group_rank, report, Instant::now());
+        Ok(Response::new(proto::ProgressAck {}))
+    }
+
     type EventsStream = EventStream;
 
     async fn events(
@@ -385,6 +421,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (events, _) = broadcast::channel(64);
     let (lease, lease_rx) = watch::channel(None);
     let refusals = Arc::new(GroupRefusals::default());
+    let board = Arc::new(Mutex::new(progress::Board::default()));
     let (listener, more, manager_address) = listen(&options).await?;
     let store = group_store(&options.replica_id)?;
     let store_address = if options.store_address.is_empty() {
@@ -406,6 +443,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         refusals: refusals.clone(),
         store,
         store_address,
+        board: board.clone(),
     });
     let group = Arc::downgrade(&shared);
     let (shutdown, stopping) = watch::channel(false);
@@ -427,6 +465,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
                 .map(|s| s.lock().tally())
                 .unwrap_or_default()
         }),
+        board,
     };
     handle.add_task(tokio::spawn(beat_until_stopped(heartbeat, stopping)));
     tracing::info!(

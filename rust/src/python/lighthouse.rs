@@ -162,6 +162,9 @@ impl LighthouseClient {
                     step: r.step,
                     heartbeat_age_ms: r.heartbeat_age_ms,
                     peer: r.peer,
+                    progress_age_ms: r.progress_age_ms,
+                    step_time_ms: r.step_time_ms,
+                    straggler: r.straggler,
                 })
                 .collect(),
             waiting_for: s.waiting_for,

@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use super::runtime::{control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
-use super::{seconds, stop, to_py, unsigned, Server};
+use super::{seconds, seconds_or_zero, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::client;
 use crate::gate::{GateLimits, GroupRefusals};
@@ -206,6 +206,44 @@ impl ManagerClient {
             commit: d.commit,
             torn: d.torn,
         })
+    }
+
+    /// Reports what `group_rank`'s training thread did lately: `marks` counts its
+    /// progress (only a change matters); `wait_left` (seconds), when given, says it
+    /// sits in a wait on the other groups that ends within that long. The group's
+    /// heartbeat carries the sum of its ranks' reports, and the lighthouse evicts a
+    /// group that made no progress for `stall_timeout` while its peers wait on it.
+    #[pyo3(signature = (group_rank, marks, wait_left, stall_timeout, step_time = 0.0, timeout = 1.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn report_progress(
+        &self,
+        py: Python<'_>,
+        group_rank: i64,
+        marks: u64,
+        wait_left: Option<f64>,
+        stall_timeout: f64,
+        step_time: f64,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        let stall_timeout = seconds("stall_timeout", stall_timeout)?;
+        // At most a day: the server refuses longer ones.
+        let day = 86_400.0;
+        let millis = |d: Duration| d.as_millis().min(u128::from(u64::MAX)) as u64;
+        let wait_left = wait_left
+            .map(|w| seconds_or_zero("wait_left", w.min(day)))
+            .transpose()?;
+        let report = proto::ProgressReport {
+            group_rank: unsigned("group_rank", group_rank)?,
+            marks,
+            waiting: wait_left.is_some(),
+            wait_left_ms: wait_left.map_or(0, millis),
+            stall_timeout_ms: millis(stall_timeout.min(Duration::from_secs_f64(day))),
+            step_time_ms: millis(seconds_or_zero("step_time", step_time.min(day))?),
+            ..Default::default()
+        };
+        let client = self.inner.clone();
+        wait(py, async move { client.progress(report, timeout).await })
     }
 
     /// Starts listening for membership-loss events (idempotent). Events that happen

@@ -133,6 +133,9 @@ pub struct ReplicaStatus {
     pub(super) step: i64,
     pub(super) heartbeat_age_ms: u64,
     pub(super) peer: String,
+    pub(super) progress_age_ms: u64,
+    pub(super) step_time_ms: u64,
+    pub(super) straggler: bool,
 }
 
 #[pyclass(module = "phalanx._core", frozen, get_all)]
