@@ -2,6 +2,7 @@
 //! replica group through its heartbeat stream, and serves a status page and metrics.
 
 mod http;
+pub mod leadership;
 mod metrics;
 mod pulse;
 mod service;
