@@ -20,14 +20,16 @@
 //! - a new leader needs a vote from that same majority, which none of its members
 //!   gives before its stickiness ends, by which time the old lease has run out.
 //!
-//! Terms and votes are kept on disk (`VoteStore`): a lighthouse that forgot its vote
-//! could vote twice in one term and make two leaders of it.
+//! Terms, votes and the log's terms are kept on disk (`VoteStore`): a lighthouse that
+//! forgot its vote could vote twice in one term and make two leaders of it, and one
+//! that forgot its log could help elect a leader that lacks a committed entry.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use raft::eraftpb::{ConfState, HardState, Message, MessageType};
+use raft::eraftpb::{ConfState, Entry, HardState, Message, MessageType};
 use raft::storage::MemStorage;
+use raft::Storage;
 use raft::{Config, RawNode, StateRole};
 
 /// How far apart two lighthouses' clock rates may be, as a fraction. Monotonic clocks
@@ -75,9 +77,19 @@ impl Timing {
     }
 }
 
-/// Where a lighthouse keeps its Raft term and vote across restarts.
+/// What a lighthouse keeps of Raft across restarts. The log holds no data (only
+/// leadership goes through Raft), so the term of each entry is all of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    pub term: u64,
+    pub vote: u64,
+    /// The term of each log entry, from index 1.
+    pub log_terms: Vec<u64>,
+}
+
+/// Where a lighthouse keeps its `Saved` state across restarts.
 pub trait VoteStore: Send {
-    fn save(&mut self, term: u64, vote: u64) -> std::io::Result<()>;
+    fn save(&mut self, saved: &Saved) -> std::io::Result<()>;
 }
 
 /// Keeps nothing: for tests that never restart a member, and the property test's own
@@ -86,7 +98,7 @@ pub trait VoteStore: Send {
 pub struct NoDisk;
 
 impl VoteStore for NoDisk {
-    fn save(&mut self, _term: u64, _vote: u64) -> std::io::Result<()> {
+    fn save(&mut self, _saved: &Saved) -> std::io::Result<()> {
         Ok(())
     }
 }
@@ -132,7 +144,7 @@ pub struct Leadership {
     echo: BTreeMap<u64, (u64, u64)>,
     heard: BTreeMap<u64, Instant>,
     disk: Box<dyn VoteStore>,
-    saved: (u64, u64),
+    saved: Saved,
 }
 
 fn us_since(epoch: Instant, now: Instant) -> u64 {
@@ -140,13 +152,13 @@ fn us_since(epoch: Instant, now: Instant) -> u64 {
 }
 
 impl Leadership {
-    /// Member `id` of `voters` (ids from 1), starting at `now` from the term and vote
-    /// it saved last (0, 0 the first time).
+    /// Member `id` of `voters` (ids from 1), starting at `now` from what it saved last
+    /// (the default the first time).
     pub fn new(
         id: u64,
         voters: Vec<u64>,
         timing: Timing,
-        saved: (u64, u64),
+        saved: Saved,
         disk: Box<dyn VoteStore>,
         now: Instant,
     ) -> Result<Self, String> {
@@ -163,10 +175,22 @@ impl Leadership {
         };
         config.validate().map_err(|e| e.to_string())?;
         let storage = MemStorage::new_with_conf_state(ConfState::from((voters.clone(), vec![])));
-        let mut hs = HardState::default();
-        hs.term = saved.0;
-        hs.vote = saved.1;
-        storage.wl().set_hardstate(hs);
+        let entries: Vec<Entry> = saved
+            .log_terms
+            .iter()
+            .enumerate()
+            .map(|(i, term)| Entry {
+                index: i as u64 + 1,
+                term: *term,
+                ..Default::default()
+            })
+            .collect();
+        storage.wl().append(&entries).map_err(|e| e.to_string())?;
+        storage.wl().set_hardstate(HardState {
+            term: saved.term,
+            vote: saved.vote,
+            ..Default::default()
+        });
         let logger = slog::Logger::root(slog::Discard, slog::o!());
         let node = RawNode::new(&config, storage, &logger).map_err(|e| e.to_string())?;
         Ok(Leadership {
@@ -220,7 +244,7 @@ impl Leadership {
     pub fn receive(&mut self, envelope: Envelope, now: Instant) -> Vec<(u64, Envelope)> {
         let m = envelope.message;
         let (from, term, kind) = (m.from, m.term, m.get_msg_type());
-        if from == self.id || !self.voters.contains(&from) {
+        if from == self.id || m.to != self.id || !self.voters.contains(&from) {
             return Vec::new();
         }
         self.heard.insert(from, now);
@@ -350,18 +374,19 @@ impl Leadership {
             let _ = self.node.mut_store().wl().apply_snapshot(snapshot);
         }
         let _ = self.node.mut_store().wl().append(ready.entries());
-        let mut durable = true;
         if let Some(hs) = ready.hs() {
             self.node.mut_store().wl().set_hardstate(hs.clone());
-            if (hs.term, hs.vote) != self.saved {
-                match self.disk.save(hs.term, hs.vote) {
-                    Ok(()) => self.saved = (hs.term, hs.vote),
-                    Err(e) => {
-                        // A vote not on disk must not be sent: after a restart this
-                        // member could vote again in the same term.
-                        tracing::error!("cannot save the lighthouse's Raft term and vote: {e}");
-                        durable = false;
-                    }
+        }
+        let now_saved = self.to_save();
+        let mut durable = true;
+        if now_saved != self.saved {
+            match self.disk.save(&now_saved) {
+                Ok(()) => self.saved = now_saved,
+                Err(e) => {
+                    // A vote not on disk must not be sent: after a restart this
+                    // member could vote again in the same term.
+                    tracing::error!("cannot save the lighthouse's Raft state: {e}");
+                    durable = false;
                 }
             }
         }
@@ -378,6 +403,18 @@ impl Leadership {
         self.node.advance_apply();
         self.forget_old_acks();
         out
+    }
+
+    fn to_save(&self) -> Saved {
+        let store = self.node.store();
+        let hs = store.rl().hard_state().clone();
+        let last = store.last_index().unwrap_or(0);
+        let log_terms = (1..=last).map(|i| store.term(i).unwrap_or(0)).collect();
+        Saved {
+            term: hs.term,
+            vote: hs.vote,
+            log_terms,
+        }
     }
 
     fn stamp(&self, out: &mut Vec<(u64, Envelope)>, messages: Vec<Message>, now: Instant) {
@@ -418,7 +455,7 @@ mod tests {
                     id,
                     vec![1, 2, 3],
                     Timing::default(),
-                    (0, 0),
+                    Saved::default(),
                     Box::new(NoDisk),
                     now,
                 )
