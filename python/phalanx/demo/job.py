@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
+from phalanx.demo.lighthouses import LighthouseSet
 from phalanx.demo.report import (
     FAILURE_KINDS,
     analyze,
@@ -256,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
     parser.add_argument(
+        "--lighthouses",
+        type=int,
+        default=1,
+        help="lighthouses: 1, or a set of 3 or 5 of which one serves at a time",
+    )
+    parser.add_argument(
+        "--kill-lighthouse-every",
+        type=duration,
+        help="with --lighthouses 3: stop the serving lighthouse this often (it starts "
+        "again 5 s later)",
+    )
+    parser.add_argument(
         "--strategy",
         choices=["ddp", "hsdp", "diloco"],
         default="ddp",
@@ -284,6 +297,10 @@ def main(argv: list[str]) -> int:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     if args.duration <= 0:
         parser.error("--duration must be positive, e.g. --duration 2m")
+    if args.lighthouses != 1 and args.lighthouses < 3:
+        parser.error("--lighthouses is 1, or a set of 3 or more (3 or 5) so that one may fail")
+    if args.kill_lighthouse_every and args.lighthouses < 3:
+        parser.error("--kill-lighthouse-every needs a set of lighthouses: add --lighthouses 3")
     chaos = []
     if args.kill_every:
         chaos.append(f"kill-every={args.kill_every}")
@@ -324,6 +341,15 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
     )
+    lighthouses = None
+    if args.lighthouses > 1:
+        lighthouses = LighthouseSet(
+            args.lighthouses, token, join_timeout=1.0, heartbeat_timeout=2.0
+        )
+        job_args.lighthouse = lighthouses.addresses
+        progress.event(f"{args.lighthouses} lighthouses at {lighthouses.addresses}")
+        if args.kill_lighthouse_every:
+            lighthouses.kill_every(args.kill_lighthouse_every, progress.event)
     job = DemoJob(job_args, command, token, args.out, progress)
     try:
         code = job.run(
@@ -333,6 +359,8 @@ def main(argv: list[str]) -> int:
         )
     finally:
         job.close()
+        if lighthouses is not None:
+            lighthouses.close()
     exited = time.time()
 
     report = analyze(
@@ -349,6 +377,8 @@ def main(argv: list[str]) -> int:
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
         "hang_every_s": args.hang_every,
+        "lighthouses": args.lighthouses,
+        "kill_lighthouse_every_s": args.kill_lighthouse_every,
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,

@@ -323,9 +323,11 @@ impl Leadership {
 
     /// When the driver must call `advance` again: the next tick, or the lease's end
     /// if sooner (so that a lost lease is acted on at once).
-    pub fn next_wakeup(&self) -> Instant {
+    pub fn next_wakeup(&self, now: Instant) -> Instant {
         let tick = self.epoch + self.timing.tick * (self.ticks as u32 + 1);
-        self.lease_until().map_or(tick, |until| until.min(tick))
+        self.lease_until()
+            .filter(|until| *until > now)
+            .map_or(tick, |until| until.min(tick))
     }
 
     pub fn view(&self, now: Instant) -> View {

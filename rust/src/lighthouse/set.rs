@@ -125,6 +125,7 @@ pub(crate) struct Seat {
     reached: Mutex<Vec<Option<Instant>>>,
     /// The term this lighthouse serves in, as last acted on (None: it does not serve).
     pub(crate) serving: watch::Sender<Option<u64>>,
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 impl Seat {
@@ -164,6 +165,7 @@ impl Seat {
             wake: Notify::new(),
             outboxes,
             serving: watch::channel(None).0,
+            stopped: Default::default(),
         });
         for (i, client, rx) in senders {
             tokio::spawn(send_loop(Arc::downgrade(&seat), i, client, rx));
@@ -177,6 +179,9 @@ impl Seat {
 
     /// The term this lighthouse serves in at `now`, if it does.
     pub(crate) fn serving_at(&self, now: Instant) -> Option<u64> {
+        if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
         self.lock().serving(now)
     }
 
@@ -231,6 +236,11 @@ impl Seat {
     }
 
     fn receive(&self, envelope: Envelope) {
+        // A stopping lighthouse is out of the set at once, though its port lingers
+        // for the grace of open calls: the others elect without it.
+        if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         let out = self.lock().receive(envelope, Instant::now());
         self.dispatch(out);
         self.wake.notify_one();
@@ -288,7 +298,7 @@ impl Seat {
             let (out, serving, next) = {
                 let mut l = self.lock();
                 let out = l.advance(now);
-                (out, l.serving(now), l.next_wakeup())
+                (out, l.serving(now), l.next_wakeup(now))
             };
             self.dispatch(out);
             if *self.serving.borrow() != serving {
@@ -310,7 +320,10 @@ impl Seat {
             tokio::select! {
                 _ = tokio::time::sleep_until(next.into()) => {}
                 _ = self.wake.notified() => {}
-                _ = shutdown.changed() => return,
+                _ = shutdown.changed() => {
+                    self.stopped.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
             }
         }
     }

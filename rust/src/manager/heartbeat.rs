@@ -111,6 +111,7 @@ impl Heartbeat {
         loop {
             let in_flight = Arc::new(InFlight::default());
             let (beats, sender) = self.send_beats(in_flight.clone());
+            let at = self.client.lighthouse_index();
             match self
                 .client
                 .heartbeat(beats, self.interval.max(Duration::from_secs(1)))
@@ -118,7 +119,7 @@ impl Heartbeat {
             {
                 Ok(stream) => {
                     backoff = self.interval;
-                    self.follow(stream, &in_flight).await;
+                    self.follow(stream, &in_flight, at).await;
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -197,10 +198,30 @@ impl Heartbeat {
     }
 
     /// Acts on what the lighthouse sends until the stream ends.
-    async fn follow(&self, mut stream: Streaming<proto::LighthouseEvent>, in_flight: &InFlight) {
+    async fn follow(
+        &self,
+        mut stream: Streaming<proto::LighthouseEvent>,
+        in_flight: &InFlight,
+        at: usize,
+    ) {
         let replica_id = &self.replica_id;
+        // In a set, a serving lighthouse cut off by the network says nothing: a stream
+        // silent this long moves the group to another lighthouse.
+        let silence = (self.client.addresses().len() > 1)
+            .then(|| (self.interval * 10).max(Duration::from_secs(1)));
         loop {
-            match stream.message().await {
+            let next = match silence {
+                Some(limit) => match tokio::time::timeout(limit, stream.message()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        tracing::warn!(replica_id, "the lighthouse went silent; trying another");
+                        self.client.move_past(at, "went silent");
+                        return;
+                    }
+                },
+                None => stream.message().await,
+            };
+            match next {
                 Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
                     Event::MembershipLost(lost) => {
                         let _ = self.events.send(lost);
@@ -229,6 +250,7 @@ impl Heartbeat {
                         "heartbeat stream lost: {}; re-opening",
                         status.message()
                     );
+                    self.client.move_on(at, &crate::Error::Rpc(status));
                     return;
                 }
             }

@@ -27,7 +27,8 @@ pub struct LighthouseServer {
 #[pymethods]
 impl LighthouseServer {
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None, insecure = false))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = 1, join_timeout = 1.0, heartbeat_timeout = 2.0, token = None, insecure = false, peers = None, id = None, state_file = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         bind: &str,
@@ -36,7 +37,12 @@ impl LighthouseServer {
         heartbeat_timeout: f64,
         token: Option<String>,
         insecure: bool,
+        peers: Option<Vec<String>>,
+        id: Option<u64>,
+        state_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
+            .map_err(to_py)?;
         let options = LighthouseOptions {
             bind: bind.to_string(),
             min_replicas: unsigned("min_replicas", min_replicas)?,
@@ -46,7 +52,7 @@ impl LighthouseServer {
             connections: GateLimits::RPC,
             insecure,
         };
-        let handle = wait(py, lighthouse::serve(options))?;
+        let handle = wait(py, lighthouse::serve_in_set(options, set))?;
         let addr = handle.local_addr();
         let address = crate::server::advertised_address(addr, None);
         Ok(LighthouseServer {
