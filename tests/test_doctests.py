@@ -21,6 +21,7 @@ MODULES = [
     "phalanx.demo.model",
     "phalanx.demo.report",
     "phalanx.demo.job",
+    "phalanx.demo.lighthouses",
 ]
 
 

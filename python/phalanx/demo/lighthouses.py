@@ -6,6 +6,7 @@ that the job fails over to another and back."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import tempfile
 import threading
@@ -99,6 +100,7 @@ class LighthouseSet:
         for server in self._servers:
             if server is not None:
                 server.shutdown()
+        shutil.rmtree(self._state, ignore_errors=True)
 
     def __enter__(self) -> LighthouseSet:
         return self
