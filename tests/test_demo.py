@@ -93,6 +93,33 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert {"start", "kill", "stop"} <= {e["kind"] for e in events}
 
 
+@pytest.mark.slow
+def test_the_demo_trains_through_kills_of_its_serving_lighthouse(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--duration", "30", "--kill-every", "0"]
+        + ["--lighthouses", "3", "--kill-lighthouse-every", "10s", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("stopped the serving lighthouse") >= 2, done.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["lighthouses"] == 3
+    assert report["replicas_consistent"] is True and report["split_steps"] == []
+    # The groups rode through the failovers: none was restarted.
+    assert report["recoveries"] == 0, (out / "ranks.log").read_text()[-3000:]
+    ends = sorted(s["t_end"] for s in steps_of(out) if s["committed"])
+    assert ends and ends[-1] > ends[0] + 25, "no step committed after the lighthouse kills"
+
+
+def steps_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
 def test_the_demo_refuses_a_token_file_others_can_read(tmp_path):
     token_file = write_token_file(tmp_path / "job.token", "s3cret", mode=0o644)
 

@@ -28,6 +28,7 @@ MODULES = [
     "phalanx.demo.model",
     "phalanx.demo.report",
     "phalanx.demo.job",
+    "phalanx.demo.lighthouses",
 ]
 
 

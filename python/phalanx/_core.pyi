@@ -208,10 +208,19 @@ class LighthouseServer:
         heartbeat_timeout: float | None = None,
         token: str | None = None,
         insecure: bool = False,
+        peers: list[str] | None = None,
+        id: int | None = None,
+        state_file: str | None = None,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
         wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
-        Options left None take the lighthouse's defaults, `LIGHTHOUSE_DEFAULTS`."""
+        Options left None take the lighthouse's defaults, `LIGHTHOUSE_DEFAULTS`.
+
+        With `peers` (every member's host:port, the same list on every member, 3 or
+        more) and `id` (this one's place in it, from 1) it is one of a set of
+        lighthouses: Raft picks the one that serves; the others refuse quorum requests
+        naming it. `state_file` keeps its Raft term and vote across restarts (default:
+        one per address in the temporary directory)."""
     @property
     def address(self) -> str:
         """host:port for clients."""
@@ -227,6 +236,10 @@ class LighthouseServer:
     ) -> bool: ...
 
 class LighthouseClient:
+    """A client of the lighthouse at `address`, or of a set of them ("a:p,b:p,c:p"):
+    it asks the one that serves, and moves to another when that one is gone or says
+    another serves."""
+
     def __init__(
         self, address: str, token: str | None = None, connect_timeout: float = 5.0
     ) -> None: ...

@@ -486,14 +486,17 @@ class Launcher:
         same void."""
         if self.lighthouse_server is not None:
             return True
-        client = _core.LighthouseClient(self.lighthouse, token=self.token, connect_timeout=2.0)
-        try:
-            client.status(timeout=2.0)
-        except (ConnectionError, TimeoutError):
-            return False
-        except PermissionError:
-            pass  # it answers; the token is the ranks' business
-        return True
+        # A set of lighthouses ("a:p,b:p,c:p") is reachable while any of them answers.
+        for address in self.lighthouse.split(","):
+            client = _core.LighthouseClient(address, token=self.token, connect_timeout=2.0)
+            try:
+                client.status(timeout=2.0)
+            except (ConnectionError, TimeoutError):
+                continue
+            except PermissionError:
+                pass  # it answers; the token is the ranks' business
+            return True
+        return False
 
     def inject(self, now: float) -> None:
         """Injects the failures that are due; the clock starts once the job trains."""
@@ -655,7 +658,8 @@ def _add_group_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lighthouse",
         metavar="HOST:PORT",
-        help="join the lighthouse of a job that spans hosts (default: serve one here)",
+        help="join the lighthouse of a job that spans hosts, or a set of them as "
+        "HOST:PORT,HOST:PORT,HOST:PORT (default: serve one here)",
     )
     parser.add_argument(
         "--lighthouse-bind",

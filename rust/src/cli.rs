@@ -9,6 +9,8 @@ use clap::Parser;
 
 use crate::auth::{self, JobToken, TokenSource};
 use crate::gate::GateLimits;
+use crate::lighthouse::leadership::Timing;
+use crate::lighthouse::set::SetOptions;
 use crate::lighthouse::{self, LighthouseOptions, Tuning};
 use crate::Error;
 
@@ -48,6 +50,25 @@ pub struct LighthouseArgs {
     /// lighthouse refuses to. Only on a network where you trust every host.
     #[arg(long)]
     pub insecure: bool,
+    /// Run as one of a set of lighthouses (no single point of failure): every member's
+    /// host:port, comma-separated, in the same order on every member, this one's
+    /// included. One serves at a time, chosen by Raft; clients take the same list
+    /// (--lighthouse a:p,b:p,c:p). Without it, one lighthouse serves alone.
+    #[arg(
+        long,
+        env = "PHALANX_LIGHTHOUSE_PEERS",
+        value_delimiter = ',',
+        requires = "id"
+    )]
+    pub peers: Vec<String>,
+    /// This lighthouse's place in --peers, counting from 1.
+    #[arg(long, env = "PHALANX_LIGHTHOUSE_ID", requires = "peers")]
+    pub id: Option<u64>,
+    /// Where a lighthouse of a set keeps its Raft term and vote across restarts
+    /// (default: phalanx-lighthouse-<its address>.raft in the temporary directory).
+    /// Deleting it while another member is down can elect two leaders.
+    #[arg(long, value_name = "FILE", requires = "peers")]
+    pub state_file: Option<PathBuf>,
 }
 
 impl LighthouseArgs {
@@ -78,6 +99,52 @@ impl LighthouseArgs {
             insecure: self.insecure,
             connections: GateLimits::RPC,
         })
+    }
+}
+
+impl LighthouseArgs {
+    /// The set this lighthouse is one of, if --peers says it is.
+    pub fn set_options(&self) -> Result<Option<SetOptions>, Error> {
+        set_options(&self.peers, self.id, self.state_file.as_deref())
+    }
+}
+
+/// The set a lighthouse is one of: none without `peers`; `id` is its place in them.
+pub fn set_options(
+    peers: &[String],
+    id: Option<u64>,
+    state_file: Option<&std::path::Path>,
+) -> Result<Option<SetOptions>, Error> {
+    if peers.is_empty() && id.is_none() {
+        return Ok(None);
+    }
+    let Some(id) = id else {
+        return Err(Error::InvalidConfig(
+            "--peers without --id: give this lighthouse's place in --peers (1 for the \
+             first address)"
+                .into(),
+        ));
+    };
+    {
+        let peers: Vec<String> = peers
+            .iter()
+            .map(|p| p.trim().to_string())
+            .filter(|p| !p.is_empty())
+            .collect();
+        let own = peers.get((id as usize).wrapping_sub(1)).cloned();
+        let state_file = match (state_file, own) {
+            (Some(file), _) => file.to_path_buf(),
+            (None, Some(own)) => SetOptions::default_state_file(&own),
+            (None, None) => PathBuf::new(),
+        };
+        let set = SetOptions {
+            id,
+            peers,
+            state_file,
+            timing: Timing::default(),
+        };
+        set.validate()?;
+        Ok(Some(set))
     }
 }
 
@@ -124,8 +191,9 @@ pub fn duration_text(duration: Duration) -> String {
 /// Serves until SIGINT or SIGTERM, then shuts down cleanly.
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
     let options = args.options(process_environment)?;
+    let set = args.set_options()?;
     let token_set = options.token.is_set();
-    let handle = lighthouse::serve(options).await?;
+    let handle = lighthouse::serve_in_set(options, set).await?;
     // Listen for the signals before announcing the address: a supervisor may signal
     // as soon as it reads the line, and a signal before this would kill the process
     // (SIGTERM) or be lost (SIGINT).

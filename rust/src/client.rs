@@ -3,10 +3,11 @@
 //! answer, after which the call fails with a timeout rather than waiting on.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -112,26 +113,151 @@ pub(crate) fn timeout_ms(timeout: Duration) -> u64 {
     timeout.as_millis().clamp(1, u64::MAX as u128) as u64
 }
 
+/// A client of the job's lighthouse, or of a set of them (`a:p,b:p,c:p`): calls go to
+/// one lighthouse at a time, the one that served last; a call that cannot reach it, or
+/// that it refuses because another serves, moves every clone of this client to the
+/// lighthouse it names (`lighthouse::set::LEADER_KEY`), or else to the next in the list.
 #[derive(Clone)]
 pub struct LighthouseClient {
-    address: String,
-    inner: proto::lighthouse_client::LighthouseClient<Authed>,
+    addresses: Arc<Vec<String>>,
+    inners: Vec<proto::lighthouse_client::LighthouseClient<Authed>>,
+    /// The index of the lighthouse asked now, shared by clones: a group's heartbeat and
+    /// its quorum requests follow the same one.
+    current: Arc<watch::Sender<usize>>,
+}
+
+/// Whether a failed call says nothing serves there: not reachable, or refused as not
+/// the serving lighthouse of a set.
+fn unreachable(error: &Error) -> bool {
+    match error {
+        Error::Connect { .. } => true,
+        Error::Rpc(status) => status.code() == Code::Unavailable,
+        _ => false,
+    }
+}
+
+/// The serving lighthouse a refusal names, if it names one.
+fn leader_hint(error: &Error) -> Option<String> {
+    match error {
+        Error::Rpc(status) => status
+            .metadata()
+            .get(crate::lighthouse::set::LEADER_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        _ => None,
+    }
 }
 
 impl LighthouseClient {
     /// Does not connect yet: the first call does, and a lost connection is re-made
-    /// on the next call (the lighthouse may restart at any time).
+    /// on the next call (the lighthouse may restart at any time). `address` is one
+    /// host:port, or a comma-separated list of a set's lighthouses.
     pub fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
-        let (channel, attach) = channel(address, token, connect_timeout)?;
+        let addresses: Vec<String> = address
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect();
+        if addresses.is_empty() {
+            return Err(Error::InvalidConfig(format!(
+                "{address:?} names no lighthouse; write host:port, or host:port,host:port,... \
+                 for a set of lighthouses"
+            )));
+        }
+        let inners = addresses
+            .iter()
+            .map(|a| {
+                let (channel, attach) = channel(a, token, connect_timeout)?;
+                Ok(
+                    proto::lighthouse_client::LighthouseClient::with_interceptor(channel, attach)
+                        .max_decoding_message_size(MAX_RESPONSE_BYTES),
+                )
+            })
+            .collect::<Result<_, Error>>()?;
         Ok(LighthouseClient {
-            address: address.to_string(),
-            inner: proto::lighthouse_client::LighthouseClient::with_interceptor(channel, attach)
-                .max_decoding_message_size(MAX_RESPONSE_BYTES),
+            addresses: Arc::new(addresses),
+            inners,
+            current: Arc::new(watch::channel(0).0),
         })
     }
 
+    /// The lighthouse asked now.
     pub fn address(&self) -> &str {
-        &self.address
+        &self.addresses[self.lighthouse_index()]
+    }
+
+    /// Every lighthouse this client may ask.
+    pub fn addresses(&self) -> &[String] {
+        &self.addresses
+    }
+
+    pub fn lighthouse_index(&self) -> usize {
+        *self.current.borrow()
+    }
+
+    /// After a failed call to lighthouse `at`: moves to the one the refusal names, or
+    /// else to the next. Returns whether a lighthouse was named (worth asking at once).
+    pub fn move_on(&self, at: usize, error: &Error) -> bool {
+        let n = self.addresses.len();
+        if n == 1 || !unreachable(error) {
+            return false;
+        }
+        let named = leader_hint(error).and_then(|a| self.addresses.iter().position(|x| *x == a));
+        let next = named.unwrap_or((at + 1) % n);
+        self.current.send_if_modified(|c| {
+            let moved = *c == at && next != at;
+            if moved {
+                *c = next;
+            }
+            moved
+        });
+        if named.is_none() {
+            tracing::info!(
+                "the lighthouse at {} does not serve; trying {}",
+                self.addresses[at],
+                self.addresses[next]
+            );
+        }
+        named.is_some()
+    }
+
+    /// Moves past lighthouse `at` (a heartbeat stream to it went silent).
+    pub fn move_past(&self, at: usize, why: &str) {
+        self.move_on(
+            at,
+            &Error::Rpc(Status::unavailable(format!(
+                "the lighthouse at {} {why}",
+                self.addresses[at]
+            ))),
+        );
+    }
+
+    /// Runs one call on lighthouse `at`; in a set, gives up on it as soon as another
+    /// call moved this client elsewhere, and moves on when it does not serve.
+    async fn on_current<T, F, Fut>(&self, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(proto::lighthouse_client::LighthouseClient<Authed>, String) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let at = self.lighthouse_index();
+        let address = self.addresses[at].clone();
+        let call = f(self.inners[at].clone(), address.clone());
+        let result = if self.addresses.len() == 1 {
+            call.await
+        } else {
+            let mut moved = self.current.subscribe();
+            tokio::select! {
+                r = call => r,
+                _ = moved.wait_for(|c| *c != at) => Err(Error::Rpc(Status::unavailable(format!(
+                    "left the lighthouse at {address}: another call found it does not serve"
+                )))),
+            }
+        };
+        if let Err(e) = &result {
+            self.move_on(at, e);
+        }
+        result
     }
 
     /// Waits for a quorum that includes `requester`, up to `timeout`.
@@ -147,7 +273,7 @@ impl LighthouseClient {
         proto::Quorum::decode(encoded).map_err(|e| {
             Error::Rpc(Status::internal(format!(
                 "the lighthouse at {} answered with a malformed quorum: {e}",
-                self.address
+                self.address()
             )))
         })
     }
@@ -167,12 +293,12 @@ impl LighthouseClient {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let result = self.quorum(requester.clone(), last_quorum_id, left).await;
-            let unreachable = match &result {
-                Err(Error::Connect { .. }) => true,
-                Err(Error::Rpc(status)) => status.code() == Code::Unavailable,
-                _ => false,
+            let unreachable = matches!(&result, Err(e) if unreachable(e));
+            // A refusal that names the serving lighthouse of a set is followed at once.
+            let pause = match &result {
+                Err(e) if self.addresses.len() > 1 && leader_hint(e).is_some() => Duration::ZERO,
+                _ => jittered(backoff),
             };
-            let pause = jittered(backoff);
             if !unreachable || Instant::now() + pause >= deadline {
                 return result;
             }
@@ -197,19 +323,19 @@ impl LighthouseClient {
             },
             timeout,
         );
-        let mut client = self.inner.clone();
-        let response = call("lighthouse", &self.address, timeout, client.quorum(request)).await?;
+        let response = self
+            .on_current(|mut client, address| async move {
+                call("lighthouse", &address, timeout, client.quorum(request)).await
+            })
+            .await?;
         Ok(response.quorum)
     }
 
     pub async fn status(&self, timeout: Duration) -> Result<proto::StatusResponse, Error> {
-        let mut client = self.inner.clone();
-        call(
-            "lighthouse",
-            &self.address,
-            timeout,
-            client.status(with_timeout(proto::StatusRequest {}, timeout)),
-        )
+        self.on_current(|mut client, address| async move {
+            let request = with_timeout(proto::StatusRequest {}, timeout);
+            call("lighthouse", &address, timeout, client.status(request)).await
+        })
         .await
     }
 
@@ -220,13 +346,10 @@ impl LighthouseClient {
         beats: mpsc::Receiver<proto::Beat>,
         timeout: Duration,
     ) -> Result<tonic::Streaming<proto::LighthouseEvent>, Error> {
-        let mut client = self.inner.clone();
-        call(
-            "lighthouse",
-            &self.address,
-            timeout,
-            client.heartbeat(ReceiverStream::new(beats)),
-        )
+        self.on_current(|mut client, address| async move {
+            let beats = ReceiverStream::new(beats);
+            call("lighthouse", &address, timeout, client.heartbeat(beats)).await
+        })
         .await
     }
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
+from phalanx.demo.lighthouses import LighthouseSet
 from phalanx.demo.report import (
     FAILURE_KINDS,
     analyze,
@@ -257,6 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the group is evicted as stalled and restarted)",
     )
     parser.add_argument(
+        "--lighthouses",
+        type=int,
+        default=1,
+        help="lighthouses: 1, or a set of 3 or 5 of which one serves at a time",
+    )
+    parser.add_argument(
+        "--kill-lighthouse-every",
+        type=duration,
+        help="with --lighthouses 3: stop the serving lighthouse this often (it starts "
+        "again 5 s later)",
+    )
+    parser.add_argument(
         "--strategy",
         choices=["ddp", "hsdp", "diloco"],
         default="ddp",
@@ -285,6 +299,10 @@ def main(argv: list[str]) -> int:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     if args.duration <= 0:
         parser.error("--duration must be positive, e.g. --duration 2m")
+    if args.lighthouses != 1 and args.lighthouses < 3:
+        parser.error("--lighthouses is 1, or a set of 3 or more (3 or 5) so that one may fail")
+    if args.kill_lighthouse_every and args.lighthouses < 3:
+        parser.error("--kill-lighthouse-every needs a set of lighthouses: add --lighthouses 3")
     try:
         token = launcher.job_token(None, args.token_file, os.environ)
     except ValueError as e:
@@ -299,15 +317,27 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
     )
+    config = launch_config(args)
+    lighthouses = None
+    if args.lighthouses > 1:
+        lighthouses = LighthouseSet(
+            args.lighthouses, token, join_timeout=1.0, heartbeat_timeout=2.0
+        )
+        config = dataclasses.replace(config, lighthouse=lighthouses.addresses)
+        progress.event(f"{args.lighthouses} lighthouses at {lighthouses.addresses}")
+        if args.kill_lighthouse_every:
+            lighthouses.kill_every(args.kill_lighthouse_every, progress.event)
     job = DemoJob(args.replicas, args.out, progress)
     try:
-        code = launcher.Launcher(launch_config(args), token, observer=job).run(
+        code = launcher.Launcher(config, token, observer=job).run(
             duration=args.duration,
             chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
             startup_timeout=STARTUP_TIMEOUT,
         )
     finally:
         job.close()
+        if lighthouses is not None:
+            lighthouses.close()
     report = write_report(args, job, exited=time.time())
     return exit_status(report, code, args.out)
 
@@ -361,6 +391,8 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         "kill_every_s": args.kill_every,
         "hang_every_s": args.hang_every,
         "hang_thread_every_s": args.hang_thread_every,
+        "lighthouses": args.lighthouses,
+        "kill_lighthouse_every_s": args.kill_lighthouse_every,
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,

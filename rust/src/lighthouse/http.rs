@@ -68,6 +68,10 @@ async fn status(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     let snap = shared.lock().snapshot(Instant::now());
     let mut value = serde_json::to_value(snap).unwrap_or_default();
     value["uptime_ms"] = (shared.started.elapsed().as_millis() as u64).into();
+    // A lighthouse of a set says which one serves and what it sees of the others.
+    if let Some(seat) = shared.seat.get() {
+        value["lighthouses"] = seat.view();
+    }
     Json(value)
 }
 

@@ -2,9 +2,11 @@
 //! replica group through its heartbeat stream, and serves a status page and metrics.
 
 mod http;
+pub mod leadership;
 mod metrics;
 mod pulse;
 mod service;
+pub mod set;
 pub mod state;
 mod tally;
 
@@ -19,10 +21,12 @@ use crate::auth::{self, JobToken};
 use crate::door::Door;
 use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
+use crate::proto::lighthouse_set_server::LighthouseSetServer;
 use crate::quorum::QuorumConfig;
 use crate::server::{self, ServerHandle};
 use crate::Error;
 use service::{LighthouseService, Shared};
+use set::{Seat, SetOptions, SetService};
 use state::LighthouseState;
 
 /// Requests to the lighthouse are small; anything bigger is refused unread.
@@ -134,7 +138,19 @@ fn check_exposure(options: &LighthouseOptions, bound: SocketAddr) -> Result<(), 
 
 /// Starts a lighthouse on the current tokio runtime.
 pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
+    serve_in_set(options, None).await
+}
+
+/// Starts a lighthouse, one of a set when `set` is given: it then serves only while
+/// the set's Raft makes it leader and a majority's lease holds (see `leadership`).
+pub async fn serve_in_set(
+    options: LighthouseOptions,
+    set: Option<SetOptions>,
+) -> Result<ServerHandle, Error> {
     options.validate()?;
+    if let Some(set) = &set {
+        set.validate()?;
+    }
     let shared = Shared::new(LighthouseState::new(
         QuorumConfig {
             min_replicas: options.min_replicas,
@@ -150,11 +166,31 @@ pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
     })
     .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, options.token.clone());
-    let routes = Routes::new(grpc)
+    let seat = match set {
+        Some(set) => {
+            let seat = Seat::new(set, &options.token)?;
+            let _ = shared.seat.set(seat.clone());
+            Some(seat)
+        }
+        None => None,
+    };
+    let mut routes = Routes::new(grpc);
+    if let Some(seat) = &seat {
+        let set_grpc = LighthouseSetServer::new(SetService { seat: seat.clone() })
+            .max_decoding_message_size(MAX_REQUEST_BYTES);
+        routes = routes.add_service(InterceptedService::new(set_grpc, options.token.clone()));
+    }
+    let routes = routes
         .into_axum_router()
         .merge(http::router(shared.clone(), options.token.clone()));
     let door = Door::new(options.connections, shared.metrics.refusals.clone());
     let mut handle = server::spawn(listener, Vec::new(), routes.into(), shutdown, door);
+    if let Some(seat) = seat {
+        let serving = shared.clone();
+        handle.add_task(tokio::spawn(
+            seat.run(move |term| serving.serve_in(term), shutdown_rx.clone()),
+        ));
+    }
     handle.add_task(tokio::spawn(shared.run_deadlines(shutdown_rx)));
     tracing::debug!(
         address = %handle.local_addr(),

@@ -6,7 +6,7 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -14,7 +14,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::leadership::quorum_id_floor;
 use super::metrics::Metrics;
+use super::set::Seat;
 use super::state::{Eviction, LighthouseState};
 use crate::door::Ticket;
 use crate::gate::{self, Refusal};
@@ -29,6 +31,8 @@ pub(crate) struct Shared {
     /// A member of the quorum is due for eviction as stalled but no peer waits on it
     /// yet: the first beat that says a peer began to wait wakes the deadline task.
     stall_overdue: AtomicBool,
+    /// This lighthouse's place in a set; unset for a lighthouse on its own.
+    pub(crate) seat: OnceLock<Arc<Seat>>,
 }
 
 fn unix_ms() -> i64 {
@@ -56,6 +60,7 @@ impl Shared {
             wake: Notify::new(),
             started: Instant::now(),
             stall_overdue: AtomicBool::new(false),
+            seat: OnceLock::new(),
         })
     }
 
@@ -64,14 +69,44 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether this lighthouse may take requests and issue quorums at `now`: always on
+    /// its own; in a set, only while it serves (see `leadership`).
+    fn admit(&self, now: Instant) -> Result<(), Status> {
+        match self.seat.get() {
+            Some(seat) if seat.serving_at(now).is_none() => Err(seat.refusal()),
+            _ => Ok(()),
+        }
+    }
+
+    /// This lighthouse of a set starts (`Some(term)`) or stops serving: its soft state
+    /// starts afresh, and a new term's quorum ids start above every earlier term's.
+    pub(crate) fn serve_in(&self, term: Option<u64>) {
+        let mut st = self.lock();
+        let why = match (term, self.seat.get()) {
+            (None, Some(seat)) => seat.refusal(),
+            _ => Status::unavailable("this lighthouse starts serving afresh; ask again"),
+        };
+        st.reset(why);
+        if let Some(term) = term {
+            st.raise_quorum_floor(quorum_id_floor(term));
+        }
+        self.evaluate(&mut st, Instant::now());
+    }
+
     /// Runs the engine after a change and makes sure the background task wakes in time.
     fn evaluate(&self, st: &mut LighthouseState, now: Instant) {
-        let (stalled, overdue) = st.evict_stalled(now);
-        for _ in stalled {
-            self.evicted(Eviction::ProgressStalled);
-        }
-        self.stall_overdue.store(overdue, Relaxed);
-        if let Some(issued) = st.evaluate(now, unix_ms()) {
+        // Only the serving lighthouse of a set decides who is in: stalls and quorums.
+        let issued = if self.admit(now).is_ok() {
+            let (stalled, overdue) = st.evict_stalled(now);
+            for _ in stalled {
+                self.evicted(Eviction::ProgressStalled);
+            }
+            self.stall_overdue.store(overdue, Relaxed);
+            st.evaluate(now, unix_ms())
+        } else {
+            None
+        };
+        if let Some(issued) = issued {
             self.metrics.quorums_issued.inc();
             self.metrics
                 .quorum_wait_seconds
@@ -198,6 +233,7 @@ impl Lighthouse for LighthouseService {
         let ticket = {
             let mut st = self.shared.lock();
             let now = Instant::now();
+            self.shared.admit(now)?;
             let ticket = refuse(
                 &self.shared,
                 Refusal::DuplicateReplica,
@@ -269,6 +305,7 @@ impl Lighthouse for LighthouseService {
         let (stream_id, pulse) = {
             let mut st = self.shared.lock();
             let now = Instant::now();
+            self.shared.admit(now)?;
             let opened = refuse(
                 &self.shared,
                 Refusal::DuplicateReplica,

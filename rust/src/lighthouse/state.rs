@@ -696,6 +696,32 @@ impl LighthouseState {
         }
     }
 
+    /// This lighthouse of a set starts or stops serving: everyone waiting or
+    /// heartbeating is told `why` (and goes to the serving one), and what it knew of
+    /// the job's quorums goes, as if it had restarted: a leader learns the job afresh
+    /// from the groups that come to it, never from an old term's leftovers.
+    pub fn reset(&mut self, why: Status) {
+        for (_, p) in self.pending.drain() {
+            let _ = p.reply.send(Err(why.clone()));
+        }
+        self.joiners.clear();
+        for (_, r) in self.replicas.drain() {
+            r.pulse.retire();
+            if let Some(stream) = r.stream {
+                let _ = stream.events.try_send(Err(why.clone()));
+            }
+        }
+        self.previous = None;
+        self.previous_at = None;
+        self.waiting = (WaitReason::NoJoiners, None);
+    }
+
+    /// The next quorum id is above `floor` (a new leader's term, see
+    /// `leadership::quorum_id_floor`).
+    pub fn raise_quorum_floor(&mut self, floor: QuorumId) {
+        self.heard.fetch_max(floor, Relaxed);
+    }
+
     fn decide(&self, now: Instant) -> Decision {
         let live = Fresh {
             replicas: &self.replicas,

@@ -121,6 +121,7 @@ impl Heartbeat {
         loop {
             let in_flight = Arc::new(InFlight::default());
             let (beats, sender) = self.send_beats(in_flight.clone());
+            let at = self.client.lighthouse_index();
             match self
                 .client
                 .heartbeat(beats, self.interval.max(Duration::from_secs(1)))
@@ -128,7 +129,7 @@ impl Heartbeat {
             {
                 Ok(stream) => {
                     backoff = self.interval;
-                    if self.follow(stream, &in_flight).await {
+                    if self.follow(stream, &in_flight, at).await {
                         tracing::error!(
                             replica_id = self.replica_id,
                             "the lighthouse evicted this group as stalled: its training made \
@@ -237,11 +238,27 @@ impl Heartbeat {
         &self,
         mut stream: Streaming<proto::LighthouseEvent>,
         in_flight: &InFlight,
+        at: usize,
     ) -> bool {
         let replica_id = &self.replica_id;
         let mut stalled = false;
+        // In a set, a serving lighthouse cut off by the network says nothing: a stream
+        // silent this long moves the group to another lighthouse.
+        let silence = (self.client.addresses().len() > 1)
+            .then(|| (self.interval * 10).max(Duration::from_secs(1)));
         loop {
-            match stream.message().await {
+            let next = match silence {
+                Some(limit) => match tokio::time::timeout(limit, stream.message()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        tracing::warn!(replica_id, "the lighthouse went silent; trying another");
+                        self.client.move_past(at, "went silent");
+                        return stalled;
+                    }
+                },
+                None => stream.message().await,
+            };
+            match next {
                 Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
                     Event::MembershipLost(lost) => {
                         stalled |= lost.cause == "progress_stalled"
@@ -273,6 +290,7 @@ impl Heartbeat {
                         "heartbeat stream lost: {}; re-opening",
                         status.message()
                     );
+                    self.client.move_on(at, &crate::Error::Rpc(status));
                     return stalled;
                 }
             }

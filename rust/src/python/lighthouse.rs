@@ -29,7 +29,8 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         bind: &str,
@@ -38,8 +39,13 @@ impl LighthouseServer {
         heartbeat_timeout: Option<f64>,
         token: Option<String>,
         insecure: bool,
+        peers: Option<Vec<String>>,
+        id: Option<u64>,
+        state_file: Option<std::path::PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
+        let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
+            .map_err(to_py)?;
         let options = LighthouseOptions {
             bind: bind.to_string(),
             min_replicas: min_replicas
@@ -53,7 +59,7 @@ impl LighthouseServer {
             connections: GateLimits::RPC,
             insecure,
         };
-        let handle = wait(py, lighthouse::serve(options))?;
+        let handle = wait(py, lighthouse::serve_in_set(options, set))?;
         let addr = handle.local_addr();
         let address = crate::server::advertised_address(addr, None);
         let server = LighthouseServer {

@@ -1,0 +1,534 @@
+//! Who of a set of lighthouses serves: Raft (the `raft` crate) elects a leader, and
+//! the leader serves only while it holds a lease from a majority of the set.
+//!
+//! Pure: every call takes `now`, messages go in and out as values, so the property
+//! test (`rust/tests/leadership_properties.rs`) drives a whole set through ticks,
+//! partitions and crashes on a fake clock. `raft_service.rs` does the I/O.
+//!
+//! Why the lease makes "never two serving at once" hold (written out for operators
+//! in docs/lighthouse-set.md):
+//! - a follower that hears from its leader at `r` (its clock) refuses every vote for
+//!   `Timing::stickiness()` after `r` (Raft's check_quorum "leader stickiness"; our
+//!   ticks are counted from `now`, so a late tick only makes the refusal longer), and
+//!   a lighthouse that (re)starts refuses votes for as long after its start;
+//! - every message the leader sends carries its send time `e`; a follower echoes the
+//!   newest `e` from its current leader back on its own messages; an echo proves the
+//!   follower reset its election timer at some `r >= e`;
+//! - the leader serves while a majority (itself counted) echoed an `e` with
+//!   `now < e + Timing::lease()`, and `lease()` is shorter than the stickiness by the
+//!   clock-rate margin `MAX_DRIFT` and `DECISION_MARGIN`;
+//! - a new leader needs a vote from that same majority, which none of its members
+//!   gives before its stickiness ends, by which time the old lease has run out.
+//!
+//! Terms, votes and the log's terms are kept on disk (`VoteStore`): a lighthouse that
+//! forgot its vote could vote twice in one term and make two leaders of it, and one
+//! that forgot its log could help elect a leader that lacks a committed entry.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use raft::eraftpb::{ConfState, Entry, HardState, Message, MessageType};
+use raft::storage::MemStorage;
+use raft::Storage;
+use raft::{Config, RawNode, StateRole};
+
+/// How far apart two lighthouses' clock rates may be, as a fraction. Monotonic clocks
+/// of commodity machines differ by well under 0.1% (crystals ~0.01%, NTP slews at most
+/// 0.05%); 1% leaves a tenfold margin.
+pub const MAX_DRIFT: f64 = 0.01;
+/// Time the leader keeps for itself between checking its lease and acting on it.
+pub const DECISION_MARGIN: Duration = Duration::from_millis(20);
+
+/// The set's timers, in ticks of `tick`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    pub tick: Duration,
+    /// A follower that hears nothing for a random time in [election, 2 election)
+    /// ticks starts an election.
+    pub election_ticks: usize,
+    /// The leader sends a heartbeat every this many ticks.
+    pub heartbeat_ticks: usize,
+}
+
+impl Default for Timing {
+    /// Elections after 0.6 to 1.2 s of silence; heartbeats every 100 ms; a lease of
+    /// about 0.5 s. Failover costs one election timeout plus a round trip.
+    fn default() -> Self {
+        Timing {
+            tick: Duration::from_millis(50),
+            election_ticks: 12,
+            heartbeat_ticks: 2,
+        }
+    }
+}
+
+impl Timing {
+    /// How long, at least, a follower refuses votes after hearing from its leader:
+    /// a message just before a tick boundary counts that tick as one already passed.
+    pub fn stickiness(&self) -> Duration {
+        self.tick * (self.election_ticks.saturating_sub(1) as u32)
+    }
+
+    /// How long a majority's acknowledgement lets the leader serve.
+    pub fn lease(&self) -> Duration {
+        self.stickiness()
+            .mul_f64(1.0 - MAX_DRIFT)
+            .saturating_sub(DECISION_MARGIN)
+    }
+}
+
+/// What a lighthouse keeps of Raft across restarts. The log holds no data (only
+/// leadership goes through Raft), so the term of each entry is all of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    pub term: u64,
+    pub vote: u64,
+    /// The term of each log entry, from index 1.
+    pub log_terms: Vec<u64>,
+}
+
+/// Where a lighthouse keeps its `Saved` state across restarts.
+pub trait VoteStore: Send {
+    fn save(&mut self, saved: &Saved) -> std::io::Result<()>;
+}
+
+/// Keeps nothing: for tests that never restart a member, and the property test's own
+/// disk (which it keeps itself).
+#[derive(Default)]
+pub struct NoDisk;
+
+impl VoteStore for NoDisk {
+    fn save(&mut self, _saved: &Saved) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One Raft message between lighthouses, with the lease timestamps around it.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    pub message: Message,
+    /// The sender's clock when sent, in µs since its start (never 0).
+    pub sent_us: u64,
+    /// The newest `sent_us` the sender heard from the receiver as its leader in
+    /// `message.term`; 0: none.
+    pub echo_us: u64,
+}
+
+/// How a lighthouse stands in the set, for the status page.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct View {
+    pub id: u64,
+    pub term: u64,
+    pub role: &'static str,
+    /// The leader this lighthouse knows of (0: none).
+    pub leader: u64,
+    /// It issues quorums now.
+    pub serving: bool,
+    /// Milliseconds left on its lease (leader only).
+    pub lease_left_ms: Option<u64>,
+    /// Milliseconds since a message from each other member (None: never).
+    pub heard_ms: BTreeMap<u64, Option<u64>>,
+}
+
+pub struct Leadership {
+    id: u64,
+    voters: Vec<u64>,
+    node: RawNode<MemStorage>,
+    timing: Timing,
+    epoch: Instant,
+    ticks: u64,
+    /// Per member, the newest echoed send time of the current term (leader only).
+    acked: BTreeMap<u64, Instant>,
+    acked_term: u64,
+    /// Per member, (term, sent_us) of its newest message as our leader.
+    echo: BTreeMap<u64, (u64, u64)>,
+    heard: BTreeMap<u64, Instant>,
+    disk: Box<dyn VoteStore>,
+    saved: Saved,
+}
+
+fn us_since(epoch: Instant, now: Instant) -> u64 {
+    (now.saturating_duration_since(epoch).as_micros() as u64).max(1)
+}
+
+impl Leadership {
+    /// Member `id` of `voters` (ids from 1), starting at `now` from what it saved last
+    /// (the default the first time).
+    pub fn new(
+        id: u64,
+        voters: Vec<u64>,
+        timing: Timing,
+        saved: Saved,
+        disk: Box<dyn VoteStore>,
+        now: Instant,
+    ) -> Result<Self, String> {
+        if !voters.contains(&id) {
+            return Err(format!("lighthouse id {id} is not one of {voters:?}"));
+        }
+        let config = Config {
+            id,
+            election_tick: timing.election_ticks,
+            heartbeat_tick: timing.heartbeat_ticks,
+            check_quorum: true,
+            pre_vote: true,
+            ..Default::default()
+        };
+        config.validate().map_err(|e| e.to_string())?;
+        let storage = MemStorage::new_with_conf_state(ConfState::from((voters.clone(), vec![])));
+        let entries: Vec<Entry> = saved
+            .log_terms
+            .iter()
+            .enumerate()
+            .map(|(i, term)| Entry {
+                index: i as u64 + 1,
+                term: *term,
+                ..Default::default()
+            })
+            .collect();
+        storage.wl().append(&entries).map_err(|e| e.to_string())?;
+        storage.wl().set_hardstate(HardState {
+            term: saved.term,
+            vote: saved.vote,
+            ..Default::default()
+        });
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let node = RawNode::new(&config, storage, &logger).map_err(|e| e.to_string())?;
+        Ok(Leadership {
+            id,
+            voters,
+            node,
+            timing,
+            epoch: now,
+            ticks: 0,
+            acked: BTreeMap::new(),
+            acked_term: 0,
+            echo: BTreeMap::new(),
+            heard: BTreeMap::new(),
+            disk,
+            saved,
+        })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn term(&self) -> u64 {
+        self.node.raft.term
+    }
+
+    /// The leader this member knows of, if any (possibly itself, possibly deposed).
+    pub fn leader(&self) -> Option<u64> {
+        Some(self.node.raft.leader_id).filter(|id| *id != 0)
+    }
+
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+
+    /// Runs the ticks due by `now`; returns the messages to send.
+    pub fn advance(&mut self, now: Instant) -> Vec<(u64, Envelope)> {
+        let due = (now.saturating_duration_since(self.epoch).as_nanos()
+            / self.timing.tick.as_nanos().max(1)) as u64;
+        // After a long stall every election timer has long run out: a few ticks say so.
+        let cap = 4 * self.timing.election_ticks as u64;
+        self.ticks = self.ticks.max(due.saturating_sub(cap));
+        while self.ticks < due {
+            self.node.tick();
+            self.ticks += 1;
+        }
+        self.pump(now)
+    }
+
+    /// Takes in a message from another member; returns the messages to send.
+    pub fn receive(&mut self, envelope: Envelope, now: Instant) -> Vec<(u64, Envelope)> {
+        let m = envelope.message;
+        let (from, term, kind) = (m.from, m.term, m.get_msg_type());
+        if from == self.id || m.to != self.id || !self.voters.contains(&from) {
+            return Vec::new();
+        }
+        self.heard.insert(from, now);
+        let vote_request = matches!(
+            kind,
+            MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+        );
+        // Before its start this member may have heard from a leader that still counts
+        // on it; it forgot that, so it waits as if it had heard at its start.
+        if vote_request && now < self.epoch + self.timing.stickiness() {
+            return Vec::new();
+        }
+        let _ = self.node.step(m);
+        let (state, now_term, leader_id) = {
+            let raft = &self.node.raft;
+            (raft.state, raft.term, raft.leader_id)
+        };
+        if state == StateRole::Leader && now_term == term && envelope.echo_us > 0 {
+            self.forget_old_acks();
+            let at = self.epoch + Duration::from_micros(envelope.echo_us);
+            let entry = self.acked.entry(from).or_insert(at);
+            *entry = (*entry).max(at);
+        }
+        let timer_reset = matches!(
+            kind,
+            MessageType::MsgAppend | MessageType::MsgHeartbeat | MessageType::MsgSnapshot
+        );
+        if timer_reset && leader_id == from && now_term == term {
+            let entry = self.echo.entry(from).or_insert((term, 0));
+            if entry.0 != term {
+                *entry = (term, 0);
+            }
+            entry.1 = entry.1.max(envelope.sent_us);
+        }
+        self.pump(now)
+    }
+
+    fn forget_old_acks(&mut self) {
+        if self.acked_term != self.node.raft.term {
+            self.acked.clear();
+            self.acked_term = self.node.raft.term;
+        }
+    }
+
+    /// Until when this member may serve, if it leads: the majority's oldest newest
+    /// acknowledgement plus the lease. Itself it counts as acknowledging always.
+    pub fn lease_until(&self) -> Option<Instant> {
+        let raft = &self.node.raft;
+        if raft.state != StateRole::Leader {
+            return None;
+        }
+        let majority = self.voters.len() / 2 + 1;
+        let needed = majority - 1;
+        if needed == 0 {
+            return Some(self.epoch + Duration::from_secs(86400 * 365 * 100));
+        }
+        let mut acks: Vec<Instant> = if self.acked_term == raft.term {
+            self.acked.values().copied().collect()
+        } else {
+            Vec::new()
+        };
+        if acks.len() < needed {
+            return None;
+        }
+        acks.sort_unstable_by(|a, b| b.cmp(a));
+        Some(acks[needed - 1] + self.timing.lease())
+    }
+
+    /// The term this member serves in at `now`, if it serves: it leads and holds a
+    /// majority's lease.
+    pub fn serving(&self, now: Instant) -> Option<u64> {
+        self.lease_until()
+            .filter(|until| now < *until)
+            .map(|_| self.node.raft.term)
+    }
+
+    /// When the driver must call `advance` again: the next tick, or the lease's end
+    /// if sooner (so that a lost lease is acted on at once).
+    pub fn next_wakeup(&self, now: Instant) -> Instant {
+        let tick = self.epoch + self.timing.tick * (self.ticks as u32 + 1);
+        self.lease_until()
+            .filter(|until| *until > now)
+            .map_or(tick, |until| until.min(tick))
+    }
+
+    pub fn view(&self, now: Instant) -> View {
+        let raft = &self.node.raft;
+        View {
+            id: self.id,
+            term: raft.term,
+            role: match raft.state {
+                StateRole::Leader => "leader",
+                StateRole::Candidate => "candidate",
+                StateRole::PreCandidate => "pre-candidate",
+                StateRole::Follower => "follower",
+            },
+            leader: raft.leader_id,
+            serving: self.serving(now).is_some(),
+            lease_left_ms: self
+                .lease_until()
+                .map(|u| u.saturating_duration_since(now).as_millis() as u64),
+            heard_ms: self
+                .voters
+                .iter()
+                .filter(|v| **v != self.id)
+                .map(|v| {
+                    let age = self
+                        .heard
+                        .get(v)
+                        .map(|t| now.saturating_duration_since(*t).as_millis() as u64);
+                    (*v, age)
+                })
+                .collect(),
+        }
+    }
+
+    /// Hands Raft's ready state on: saves term and vote, keeps the log in memory,
+    /// stamps the outgoing messages.
+    fn pump(&mut self, now: Instant) -> Vec<(u64, Envelope)> {
+        let mut out = Vec::new();
+        if !self.node.has_ready() {
+            return out;
+        }
+        let mut ready = self.node.ready();
+        let messages = ready.take_messages();
+        self.stamp(&mut out, messages, now);
+        if !ready.snapshot().is_empty() {
+            let snapshot = ready.snapshot().clone();
+            let _ = self.node.mut_store().wl().apply_snapshot(snapshot);
+        }
+        let _ = self.node.mut_store().wl().append(ready.entries());
+        if let Some(hs) = ready.hs() {
+            self.node.mut_store().wl().set_hardstate(hs.clone());
+        }
+        let now_saved = self.to_save();
+        let mut durable = true;
+        if now_saved != self.saved {
+            match self.disk.save(&now_saved) {
+                Ok(()) => self.saved = now_saved,
+                Err(e) => {
+                    // A vote not on disk must not be sent: after a restart this
+                    // member could vote again in the same term.
+                    tracing::error!("cannot save the lighthouse's Raft state: {e}");
+                    durable = false;
+                }
+            }
+        }
+        if durable {
+            let persisted = ready.take_persisted_messages();
+            self.stamp(&mut out, persisted, now);
+        }
+        let mut light = self.node.advance(ready);
+        if let Some(commit) = light.commit_index() {
+            self.node.mut_store().wl().mut_hard_state().commit = commit;
+        }
+        let messages = light.take_messages();
+        self.stamp(&mut out, messages, now);
+        self.node.advance_apply();
+        self.forget_old_acks();
+        out
+    }
+
+    fn to_save(&self) -> Saved {
+        let store = self.node.store();
+        let hs = store.rl().hard_state().clone();
+        let last = store.last_index().unwrap_or(0);
+        let log_terms = (1..=last).map(|i| store.term(i).unwrap_or(0)).collect();
+        Saved {
+            term: hs.term,
+            vote: hs.vote,
+            log_terms,
+        }
+    }
+
+    fn stamp(&self, out: &mut Vec<(u64, Envelope)>, messages: Vec<Message>, now: Instant) {
+        let sent_us = us_since(self.epoch, now);
+        for message in messages {
+            let to = message.to;
+            let echo_us = self
+                .echo
+                .get(&to)
+                .filter(|(term, _)| *term == message.term)
+                .map_or(0, |(_, us)| *us);
+            out.push((
+                to,
+                Envelope {
+                    message,
+                    sent_us,
+                    echo_us,
+                },
+            ));
+        }
+    }
+}
+
+/// Quorum ids issued in term `term` start above this: a later leader's ids are above
+/// every earlier leader's, whatever the groups report (2^32 quorums per term).
+pub fn quorum_id_floor(term: u64) -> u64 {
+    term << 32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(now: Instant) -> Vec<Leadership> {
+        (1..=3)
+            .map(|id| {
+                Leadership::new(
+                    id,
+                    vec![1, 2, 3],
+                    Timing::default(),
+                    Saved::default(),
+                    Box::new(NoDisk),
+                    now,
+                )
+                .unwrap()
+            })
+            .collect()
+    }
+
+    /// Delivers everything at once, for `steps` of one tick.
+    fn run(nodes: &mut [Leadership], start: Instant, steps: u32, alive: &[bool]) -> Instant {
+        let tick = Timing::default().tick;
+        let mut now = start;
+        for _ in 0..steps {
+            now += tick;
+            let mut queue: Vec<(u64, Envelope)> = Vec::new();
+            for (i, n) in nodes.iter_mut().enumerate() {
+                if alive[i] {
+                    queue.extend(n.advance(now));
+                }
+            }
+            while let Some((to, env)) = queue.pop() {
+                let i = to as usize - 1;
+                let from = env.message.from as usize - 1;
+                if alive[i] && alive[from] {
+                    queue.extend(nodes[i].receive(env, now));
+                }
+            }
+            let serving = nodes
+                .iter()
+                .enumerate()
+                .filter(|(i, n)| alive[*i] && n.serving(now).is_some())
+                .count();
+            assert!(serving <= 1);
+        }
+        now
+    }
+
+    #[test]
+    fn three_lighthouses_elect_one_server_and_a_survivor_takes_over() {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let all = [true, true, true];
+        let now = run(&mut nodes, start, 80, &all);
+        let serving: Vec<u64> = nodes
+            .iter()
+            .filter(|n| n.serving(now).is_some())
+            .map(|n| n.id())
+            .collect();
+        assert_eq!(serving.len(), 1, "one serves after 4 s");
+        let old = serving[0];
+        let old_term = nodes[old as usize - 1].term();
+        let mut alive = all;
+        alive[old as usize - 1] = false;
+        let now = run(&mut nodes, now, 60, &alive);
+        let serving: Vec<&Leadership> = nodes
+            .iter()
+            .filter(|n| alive[n.id() as usize - 1] && n.serving(now).is_some())
+            .collect();
+        assert_eq!(
+            serving.len(),
+            1,
+            "a survivor serves 3 s after the leader died"
+        );
+        assert!(serving[0].term() > old_term);
+        assert!(quorum_id_floor(serving[0].term()) > quorum_id_floor(old_term));
+    }
+
+    #[test]
+    fn the_lease_is_shorter_than_the_stickiness_by_the_drift_margin() {
+        let t = Timing::default();
+        assert_eq!(t.stickiness(), Duration::from_millis(550));
+        assert!(t.lease().as_secs_f64() <= t.stickiness().as_secs_f64() * (1.0 - MAX_DRIFT));
+    }
+}
