@@ -260,7 +260,7 @@ def test_chaos_blocks_a_training_thread_and_the_stalled_group_comes_back():
             "--restart-backoff",
             "0.05",
             "--",
-            str(TESTS / "ft_train.py"),
+            str(PROCS / "ft_train.py"),
             "--steps",
             "100000",
         ],
@@ -274,7 +274,9 @@ def test_chaos_blocks_a_training_thread_and_the_stalled_group_comes_back():
         deadline = time.monotonic() + 90
         while not any("blocked by chaos)" in line for line in lines):
             assert time.monotonic() < deadline, "".join(lines[-50:])
-            lines.append(launcher.stdout.readline())
+            line = launcher.stdout.readline()
+            assert line, "phalanx run ended before a thread was blocked:\n" + "".join(lines[-50:])
+            lines.append(line)
         launcher.send_signal(signal.SIGTERM)
         rest, _ = launcher.communicate(timeout=30)
         log = "".join(lines) + rest
