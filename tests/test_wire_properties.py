@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from phalanx._core import _testing
 from phalanx.recovery import StateHost, heal
+
 from state_process import tensor_bytes
 
 DTYPES = [
