@@ -168,8 +168,10 @@ def main() -> None:
         x = torch.randn(32, 8, generator=g)
         y = x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(ddp(x), y)
-        if hold.phase and hold.due(step):
-            # Before its backward: its peers' all-reduce waits for its part.
+        if hold.phase and hold.due(step) and manager.wait_quorum() and hold.due(step):
+            # Before its backward: its peers' all-reduce waits for its part. Checked again
+            # on this step's own quorum (due() reads the previous one until it is taken):
+            # a quorum formed without this group would leave nobody waiting on it.
             hold.phase = None
             print(json.dumps({"event": "holding", "step": step}), flush=True)
             signal.sigtimedwait([signal.SIGUSR1], 60)
