@@ -262,9 +262,14 @@ impl Leadership {
             let raft = &self.node.raft;
             (raft.state, raft.term, raft.leader_id)
         };
-        if state == StateRole::Leader && now_term == term && envelope.echo_us > 0 {
+        // An echo is a time this leader sent: one not yet come (a garbled or replayed
+        // message) would stretch the lease past what the follower has acknowledged.
+        let echoed = self
+            .epoch
+            .checked_add(Duration::from_micros(envelope.echo_us))
+            .filter(|at| envelope.echo_us > 0 && *at <= now);
+        if let (StateRole::Leader, true, Some(at)) = (state, now_term == term, echoed) {
             self.forget_old_acks();
-            let at = self.epoch + Duration::from_micros(envelope.echo_us);
             let entry = self.acked.entry(from).or_insert(at);
             *entry = (*entry).max(at);
         }
@@ -523,6 +528,33 @@ mod tests {
         );
         assert!(serving[0].term() > old_term);
         assert!(quorum_id_floor(serving[0].term()) > quorum_id_floor(old_term));
+    }
+
+    #[test]
+    fn an_echo_of_a_time_not_yet_come_neither_panics_nor_stretches_the_lease() {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let now = run(&mut nodes, start, 80, &[true, true, true]);
+        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
+        let follower = (leader + 1) % 3;
+        let until = nodes[leader].lease_until().unwrap();
+        for echo_us in [
+            u64::MAX,
+            (now - start + Duration::from_secs(60)).as_micros() as u64,
+        ] {
+            let mut message = Message::default();
+            message.set_msg_type(MessageType::MsgHeartbeatResponse);
+            message.from = nodes[follower].id();
+            message.to = nodes[leader].id();
+            message.term = nodes[leader].term();
+            let forged = Envelope {
+                message,
+                sent_us: 1,
+                echo_us,
+            };
+            nodes[leader].receive(forged, now);
+            assert_eq!(nodes[leader].lease_until(), Some(until), "echo {echo_us}");
+        }
     }
 
     #[test]
