@@ -6,7 +6,7 @@ use pyo3::exceptions::{PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::runtime::{control, wait};
+use super::runtime::{connect, control, wait};
 use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
 use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
@@ -96,15 +96,9 @@ impl LighthouseClient {
         token: Option<String>,
         connect_timeout: f64,
     ) -> PyResult<Self> {
-        let connect_timeout = seconds("connect_timeout", connect_timeout)?;
-        let token = JobToken::new(token);
-        // Building a channel needs a runtime context.
-        let inner = py
-            .detach(|| {
-                let _enter = control().enter();
-                client::LighthouseClient::new(address, &token, connect_timeout)
-            })
-            .map_err(to_py)?;
+        let inner = connect(py, token, connect_timeout, |token, timeout| {
+            client::LighthouseClient::new(address, token, timeout)
+        })?;
         Ok(LighthouseClient { inner })
     }
 

@@ -7,9 +7,9 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use tokio::sync::mpsc;
 
-use super::runtime::{control, wait};
+use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
-use super::{seconds, seconds_or_zero, stop, to_py, unsigned, Server};
+use super::{seconds, seconds_or_zero, stop, unsigned, Server};
 use crate::auth::JobToken;
 use crate::client;
 use crate::gate::{GateLimits, GroupRefusals};
@@ -103,14 +103,9 @@ impl ManagerClient {
         token: Option<String>,
         connect_timeout: f64,
     ) -> PyResult<Self> {
-        let connect_timeout = seconds("connect_timeout", connect_timeout)?;
-        let token = JobToken::new(token);
-        let inner = py
-            .detach(|| {
-                let _enter = control().enter();
-                client::ManagerClient::new(address, &token, connect_timeout)
-            })
-            .map_err(to_py)?;
+        let inner = connect(py, token, connect_timeout, |token, timeout| {
+            client::ManagerClient::new(address, token, timeout)
+        })?;
         Ok(ManagerClient {
             inner,
             events: Mutex::new(None),

@@ -15,7 +15,25 @@ use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 
 use super::to_py;
+use crate::auth::JobToken;
 use crate::Error;
+
+/// A client of the core, made by `make` without the GIL: building its channel needs
+/// the control runtime's context.
+pub(super) fn connect<T: Send>(
+    py: Python<'_>,
+    token: Option<String>,
+    connect_timeout: f64,
+    make: impl FnOnce(&JobToken, Duration) -> Result<T, Error> + Send,
+) -> PyResult<T> {
+    let connect_timeout = super::seconds("connect_timeout", connect_timeout)?;
+    let token = JobToken::new(token);
+    py.detach(|| {
+        let _enter = control().enter();
+        make(&token, connect_timeout)
+    })
+    .map_err(to_py)
+}
 
 /// How often a blocking call wakes up to let Ctrl-C through.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);

@@ -4,9 +4,8 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 
-use super::runtime::{control, wait};
-use super::{seconds, to_py};
-use crate::auth::JobToken;
+use super::runtime::{connect, wait};
+use super::seconds;
 
 /// A connection to a replica group's rendezvous store, served by the group's manager
 /// server behind the job token. `timeout` bounds every call; `get` and `wait` wait that
@@ -22,20 +21,16 @@ impl StoreClient {
     #[new]
     #[pyo3(signature = (address, token = None, timeout = 30.0, connect_timeout = 5.0))]
     fn new(
+        py: Python<'_>,
         address: &str,
         token: Option<String>,
         timeout: f64,
         connect_timeout: f64,
     ) -> PyResult<Self> {
         let timeout = seconds("timeout", timeout)?;
-        let connect_timeout = seconds("connect_timeout", connect_timeout)?;
-        let token = JobToken::new(token);
-        // Building a channel needs a runtime context.
-        let inner = {
-            let _enter = control().enter();
-            crate::store::client::StoreClient::new(address, &token, connect_timeout)
-        }
-        .map_err(to_py)?;
+        let inner = connect(py, token, connect_timeout, |token, connect_timeout| {
+            crate::store::client::StoreClient::new(address, token, connect_timeout)
+        })?;
         Ok(StoreClient { inner, timeout })
     }
 
