@@ -140,7 +140,11 @@ class Progress:
             self._reporter.start()
 
     def stop(self) -> None:
+        """Stops the reporter thread and waits for its report in flight."""
         self._stop.set()
+        reporter = self._reporter
+        if reporter is not None and reporter is not threading.current_thread():
+            reporter.join(timeout=2 * self.interval + 1.0)
 
     def report_now(self) -> None:
         """Looks at the training thread once and reports."""

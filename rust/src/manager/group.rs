@@ -122,7 +122,8 @@ pub struct GroupState {
     /// Steps not committed since the lighthouse last heard of them.
     commit_failures: u32,
     quorum: Option<StepQuorum>,
-    /// What the heartbeat reports to the lighthouse's per-group counters.
+    /// What the heartbeat reports to the lighthouse's per-group counters (but the heal
+    /// bytes, summed from `healed_bytes`).
     tally: proto::GroupTally,
     /// Each rank's heal bytes so far, as it last reported them.
     healed_bytes: BTreeMap<u32, u64>,
@@ -146,16 +147,18 @@ impl GroupState {
 
     /// The group's steps and heals so far, for its heartbeat.
     pub fn tally(&self) -> proto::GroupTally {
-        self.tally
+        proto::GroupTally {
+            healed_bytes: self
+                .healed_bytes
+                .values()
+                .fold(0, |sum, b| sum.saturating_add(*b)),
+            ..self.tally
+        }
     }
 
     /// Rank `rank` has fetched `bytes` in heals so far.
     pub fn healed(&mut self, rank: u32, bytes: u64) {
         self.healed_bytes.insert(rank, bytes);
-        self.tally.healed_bytes = self
-            .healed_bytes
-            .values()
-            .fold(0, |sum, b| sum.saturating_add(*b));
     }
 
     /// The group's ranks were told to heal in this quorum.
