@@ -244,6 +244,12 @@ def test_a_waiting_request_ends_promptly_when_the_lighthouse_shuts_down():
     lighthouse.shutdown()  # idempotent
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1", "127.0.0.1:0", "h:1,h:70000"])
+def test_an_address_without_a_usable_port_is_refused_at_once(address):
+    with pytest.raises(ValueError, match="names no port, or one out of range"):
+        phalanx.LighthouseClient(address)
+
+
 def test_an_unreachable_lighthouse_is_a_connection_error_within_the_deadline():
     with phalanx.LighthouseServer() as lighthouse:
         address = lighthouse.address

@@ -54,6 +54,13 @@ pub(crate) fn channel(
             "{address:?} is not a valid address ({e}); write it as host:port"
         ))
     })?;
+    // Said now, not as "connection refused" on every call.
+    if endpoint.uri().port_u16().is_none_or(|port| port == 0) {
+        return Err(Error::InvalidConfig(format!(
+            "{address:?} names no port, or one out of range; write it as host:port with a \
+             port from 1 to 65535"
+        )));
+    }
     let channel = endpoint
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
