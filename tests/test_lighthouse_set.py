@@ -5,8 +5,6 @@ states, and quorum ids keep rising across the leaders."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,15 +16,13 @@ import pytest
 import phalanx
 from test_hosts import (
     LIGHTHOUSE_PORT,
-    NO_NAMESPACES,
     TOKEN,
     TRAIN,
     Host,
-    Network,
-    NoNamespaces,
     committed_steps,
     committed_with,
     ip,
+    on_one_switch,
     step_of,
 )
 from test_transaction import assert_bit_identical, committed, start_rank
@@ -152,19 +148,8 @@ def test_killing_the_serving_lighthouse_costs_a_heartbeat_timeout(spawn, tmp_pat
 @pytest.fixture
 def three_hosts() -> Iterator[dict[str, Host]]:
     """Three hosts on one switch, h1 to h3, each for a lighthouse and a group."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip(NO_NAMESPACES)
-    network = Network()
-    try:
-        try:
-            network.build()
-            made = {name: network.add_host(name) for name in ("h1", "h2", "h3")}
-        except (NoNamespaces, OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"{NO_NAMESPACES}: {e}")
-        made["switch"] = Host(network.switch, "")
-        yield made
-    finally:
-        network.remove()
+    with on_one_switch("h1", "h2", "h3") as (network, made):
+        yield {**made, "switch": Host(network.switch, "")}
 
 
 def cut(hosts: dict[str, Host], name: str, up: bool) -> None:
