@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -198,28 +198,10 @@ def test_a_failing_group_is_restarted_with_backoff_then_given_up():
     assert "gave up after 2 restart(s)" in done.stdout
 
 
-def test_chaos_kills_groups_and_the_launcher_brings_them_back():
+def run_until(args: list[str], enough: Callable[[list[str]], bool], within: float) -> str:
+    """`phalanx run ARGS` until its output so far is `enough`, then SIGTERM; its log."""
     launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "phalanx",
-            "run",
-            "--replicas",
-            "2",
-            "--max-restarts",
-            "0",
-            "--chaos",
-            "kill-every=0.5s",
-            "--chaos-seed",
-            "7",
-            "--restart-backoff",
-            "0.05",
-            "--",
-            RANK,
-            "60",
-            "0",
-        ],
+        [sys.executable, "-m", "phalanx", "run", *args],
         stdout=subprocess.PIPE,
         text=True,
         env=child_env(),
@@ -227,63 +209,46 @@ def test_chaos_kills_groups_and_the_launcher_brings_them_back():
     )
     try:
         lines: list[str] = []
-        deadline = time.monotonic() + 30
-        while sum("chaos: SIGKILL" in line for line in lines) < 3:
-            assert time.monotonic() < deadline, "".join(lines)
-            lines.append(launcher.stdout.readline())
+        deadline = time.monotonic() + within
+        while not enough(lines):
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+            line = launcher.stdout.readline()
+            assert line, "phalanx run ended first:\n" + "".join(lines[-50:])
+            lines.append(line)
         launcher.send_signal(signal.SIGTERM)
-        rest, _ = launcher.communicate(timeout=15)
-        log = "".join(lines) + rest
+        rest, _ = launcher.communicate(timeout=30)
+        return "".join(lines) + rest
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    # Injected kills do not use up --max-restarts: every killed group came back.
+
+
+#: Injected failures must not use up --max-restarts: with none allowed, a group that
+#: the launcher gave up on means it counted one.
+NO_RESTARTS = ["--replicas", "2", "--max-restarts", "0", "--restart-backoff", "0.05"]
+
+
+def test_chaos_kills_groups_and_the_launcher_brings_them_back():
+    chaos = ["--chaos", "kill-every=0.5s", "--chaos-seed", "7"]
+    log = run_until(
+        [*NO_RESTARTS, *chaos, "--", RANK, "60", "0"],
+        lambda lines: sum("chaos: SIGKILL" in line for line in lines) >= 3,
+        within=30,
+    )
+    # Every killed group came back.
     assert "gave up" not in log
     assert log.count("started group") >= 2 + 3 - 1, log
 
 
 @pytest.mark.slow
 def test_chaos_blocks_a_training_thread_and_the_stalled_group_comes_back():
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "phalanx",
-            "run",
-            "--replicas",
-            "2",
-            "--max-restarts",
-            "0",
-            "--chaos",
-            "hang-thread-every=2s,hang-thread-for=60s",
-            "--restart-backoff",
-            "0.05",
-            "--",
-            str(PROCS / "ft_train.py"),
-            "--steps",
-            "100000",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=TESTS.parent,
+    chaos = ["--chaos", "hang-thread-every=2s,hang-thread-for=60s"]
+    log = run_until(
+        [*NO_RESTARTS, *chaos, "--", str(PROCS / "ft_train.py"), "--steps", "100000"],
+        lambda lines: any("blocked by chaos)" in line for line in lines),
+        within=90,
     )
-    try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 90
-        while not any("blocked by chaos)" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines[-50:])
-            line = launcher.stdout.readline()
-            assert line, "phalanx run ended before a thread was blocked:\n" + "".join(lines[-50:])
-            lines.append(line)
-        launcher.send_signal(signal.SIGTERM)
-        rest, _ = launcher.communicate(timeout=30)
-        log = "".join(lines) + rest
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     # The blocked rank's group was evicted, left its evidence and exited as stalled,
     # and came back without using up --max-restarts.
     assert "chaos: blocking the training thread of" in log
