@@ -29,6 +29,8 @@ WITH_ALL_THREE = ("--pause-participants", "3")
 #: rightly go on alone from its own, older state (a second lineage of the same steps).
 TRAIN_ON = ("--steps", "100000")
 STEPS = 40
+#: A budget whose stall timeout (10 s) no hold of these tests reaches.
+SLOW_NOT_HUNG = ("--timeout", "30")
 
 
 @pytest.fixture
@@ -163,12 +165,21 @@ def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, l
     # connection: the lighthouse declares c dead (stream broken), a and b abandon the
     # step and commit it again without c. When c's thread goes on, its all-reduce may
     # still complete (gloo cannot cancel a peer's abandoned one): c must vote no all
-    # the same.
+    # the same. c's hold stands for a slow step, not a hang: its stall timeout (a third
+    # of its 30 s budget) outlasts the hold however loaded the machine, since a group
+    # held outside the quorum for its stall timeout is rightly evicted as hung.
     relay = proxy(lighthouse.address)
     a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
     b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
     c = start_rank(
-        spawn, relay.address, "c", "--hold-at", str(PAUSE_AT), *WITH_ALL_THREE, *TRAIN_ON
+        spawn,
+        relay.address,
+        "c",
+        "--hold-at",
+        str(PAUSE_AT),
+        *WITH_ALL_THREE,
+        *TRAIN_ON,
+        *SLOW_NOT_HUNG,
     )
     at = c.expect(lambda line: line.get("event") == "holding", 60, "c holds its step")["step"]
     assert relay.cut() >= 1

@@ -158,6 +158,7 @@ struct HeartbeatStream {
     peer: String,
     /// The group's manager server, as its first beat named it (empty: not named).
     manager_address: String,
+    opened_at: Instant,
 }
 
 struct Replica {
@@ -447,6 +448,7 @@ impl LighthouseState {
                     events,
                     peer,
                     manager_address: beat.manager_address.clone(),
+                    opened_at: now,
                 }),
                 history,
                 steps,
@@ -519,29 +521,29 @@ impl LighthouseState {
                 cause.as_str()
             ))));
         }
+        let event = proto::LighthouseEvent {
+            event: Some(proto::lighthouse_event::Event::MembershipLost(
+                proto::MembershipLost {
+                    quorum_id: self.previous.as_ref().map_or(0, |q| q.id),
+                    lost: vec![replica_id.to_string()],
+                    cause: cause.as_str().to_string(),
+                },
+            )),
+        };
+        if let Some(own) = own {
+            let _ = own.try_send(Ok(event.clone()));
+        }
         let Some(current) = &self.previous else {
             return;
         };
         if !current.contains(replica_id) {
             return;
         }
-        let event = proto::LighthouseEvent {
-            event: Some(proto::lighthouse_event::Event::MembershipLost(
-                proto::MembershipLost {
-                    quorum_id: current.id,
-                    lost: vec![replica_id.to_string()],
-                    cause: cause.as_str().to_string(),
-                },
-            )),
-        };
         for peer in current.replica_ids() {
             if let Some(stream) = self.replicas.get(peer).and_then(|r| r.stream.as_ref()) {
                 // A full queue means the peer is not reading; it will learn from its next quorum.
                 let _ = stream.events.try_send(Ok(event.clone()));
             }
-        }
-        if let Some(own) = own {
-            let _ = own.try_send(Ok(event));
         }
     }
 
@@ -582,21 +584,42 @@ impl LighthouseState {
         (Some(training.due()), evict_at)
     }
 
+    /// When a group that trained (step above 0) but is outside the current quorum is
+    /// to be evicted as stalled: a thread that hung after its vote made its group miss
+    /// the next quorum (the join timeout went on without it), so no peer waits on it
+    /// any more, yet it is hung and should be restarted. A healthy group out of the
+    /// quorum asks for the next one at once. Counted from its stream's opening too, so
+    /// that a group resumed from SIGSTOP reports its progress before it is judged.
+    fn dropped_due(&self, id: &str) -> Option<Instant> {
+        if self.joiners.contains_key(id) || self.previous.as_ref().is_some_and(|q| q.contains(id)) {
+            return None;
+        }
+        let replica = self.replicas.get(id)?;
+        let training = replica.pulse.training()?;
+        let opened_at = replica.stream.as_ref()?.opened_at;
+        (replica.pulse.step() > 0).then(|| training.due().max(opened_at + training.stall_timeout))
+    }
+
     /// Evicts every member of the current quorum that has made no progress for its
-    /// stall timeout while another member waits on it (see `stall_due`); returns them,
-    /// and whether a member is due but waited on by nobody yet (the first peer that
-    /// begins to wait wakes the deadline task, see `Pulse::trained`).
+    /// stall timeout while another member waits on it (see `stall_due`), and every
+    /// group that dropped out of it stalled (see `dropped_due`); returns them, and
+    /// whether a member is due but waited on by nobody yet (the first peer that begins
+    /// to wait wakes the deadline task, see `Pulse::trained`).
     pub fn evict_stalled(&mut self, now: Instant) -> (Vec<ReplicaId>, bool) {
-        let Some(quorum) = &self.previous else {
-            return (Vec::new(), false);
-        };
         let mut overdue = false;
-        let mut stalled = Vec::new();
-        for id in quorum.replica_ids() {
-            match self.stall_due(quorum, id) {
-                (_, Some(at)) if at <= now => stalled.push(id.to_string()),
-                (Some(due), None) if due <= now => overdue = true,
-                _ => {}
+        let mut stalled: Vec<ReplicaId> = self
+            .replicas
+            .keys()
+            .filter(|id| self.dropped_due(id).is_some_and(|at| at <= now))
+            .cloned()
+            .collect();
+        if let Some(quorum) = &self.previous {
+            for id in quorum.replica_ids() {
+                match self.stall_due(quorum, id) {
+                    (_, Some(at)) if at <= now => stalled.push(id.to_string()),
+                    (Some(due), None) if due <= now => overdue = true,
+                    _ => {}
+                }
             }
         }
         for id in &stalled {
@@ -796,7 +819,13 @@ impl LighthouseState {
             .flat_map(|(q, id)| {
                 let (due, evict_at) = self.stall_due(q, id);
                 [due, evict_at].into_iter().flatten().filter(|at| *at > now)
-            });
+            })
+            .chain(
+                self.replicas
+                    .keys()
+                    .filter_map(|id| self.dropped_due(id))
+                    .filter(|at| *at > now),
+            );
         [self.waiting.1, expiry]
             .into_iter()
             .flatten()
@@ -1095,7 +1124,7 @@ mod tests {
             step_time_ms: 200,
             ..beat("any")
         };
-        assert!(pulse.beat(now, 0, 0));
+        assert!(pulse.beat(now, pulse.step(), 0));
         pulse.trained(now, &beat);
     }
 
@@ -1193,6 +1222,73 @@ mod tests {
         let (tx, _rx) = oneshot::channel();
         s.join(member("b"), 1, ms(20000), tx).unwrap();
         assert_eq!(s.evict_stalled(ms(20000)), (vec![], false));
+    }
+
+    #[test]
+    fn a_group_that_trained_and_dropped_out_of_the_quorum_stalled_is_evicted_and_told() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), _a_events) = open(&mut s, "a", t);
+        let ((_, b), mut b_events) = open(&mut s, "b", t);
+        let ((_, c), _c_events) = open(&mut s, "c", t);
+        form_quorum(&mut s, &["a", "b", "c"], t);
+        // b hung after its vote: the next quorum went on without it.
+        let mut replies = Vec::new();
+        for id in ["a", "c"] {
+            let (tx, rx) = oneshot::channel();
+            s.join(member(id), 1, ms(1000), tx).unwrap();
+            replies.push(rx);
+        }
+        assert!(b.beat(ms(1500), 5, 1) && c.beat(ms(1500), 5, 1));
+        let issued = s.evaluate(ms(2500), 0);
+        assert!(
+            issued.is_some(),
+            "a quorum of a and c: {}",
+            s.waiting_reason()
+        );
+        assert!(c.beat(ms(3000), 5, 1));
+        trained(&c, ms(3000), 0, 0);
+        assert!(b.beat(ms(3000), 5, 1));
+        trained(&b, ms(3000), 3000, 0);
+        trained(&a, ms(3000), 0, 0);
+        assert_eq!(
+            s.evict_stalled(ms(4000)),
+            (vec![], false),
+            "not stalled 5 s yet"
+        );
+        assert_eq!(
+            s.next_wakeup(ms(4000)),
+            Some(ms(5000)).min(s.next_wakeup(ms(4000)))
+        );
+        assert!(b.beat(ms(5000), 5, 1));
+        trained(&b, ms(5000), 5000, 0);
+        assert_eq!(s.evict_stalled(ms(5000)).0, vec!["b".to_string()]);
+        let own = lost(&mut b_events);
+        assert_eq!(
+            (own.lost, own.cause.as_str()),
+            (vec!["b".to_string()], "progress_stalled")
+        );
+    }
+
+    #[test]
+    fn a_group_back_from_a_pause_or_not_trained_yet_is_not_taken_for_dropped() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        // Never trained (step 0): starting up, however still.
+        let ((_, a), _a_events) = open(&mut s, "a", t);
+        trained(&a, ms(9000), 9000, 0);
+        assert_eq!(s.evict_stalled(ms(9000)), (vec![], false));
+        // Trained, and its stream just re-opened (resumed from SIGSTOP): its old
+        // progress age is not held against it until a stall timeout after.
+        let ((_, b), _b_events) = open(&mut s, "b", ms(9000));
+        assert!(b.beat(ms(9000), 7, 1));
+        trained(&b, ms(9000), 9000, 0);
+        assert_eq!(s.evict_stalled(ms(9000)), (vec![], false));
+        assert!(b.beat(ms(9100), 7, 1));
+        trained(&b, ms(9100), 0, 0);
+        assert_eq!(s.evict_stalled(ms(14000)), (vec![], false), "it moved");
     }
 
     #[test]
