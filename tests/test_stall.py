@@ -1,10 +1,13 @@
 """A hung training thread is caught by the stall timeout, not waited out (DESIGN §4).
 
 The hung rank's process lives and its heartbeat beats; only its training thread is
-held (tests/procs/ft_train.py's `--hold-at` and `--hold-in-heal`). Its peers wait on it, the
-lighthouse evicts its group as stalled and tells everyone: the survivors abandon the
-step and go on, the hung rank logs its stacks and exits with `EXIT_STALLED`, and once
-restarted it heals, and every committed step carries one state across the groups.
+held (tests/procs/ft_train.py's `--hold-at` and `--hold-in-heal`). Its peers wait on
+it, the lighthouse evicts its group as stalled and tells everyone: the survivors
+abandon the step and go on, the hung rank logs its stacks and exits with
+`EXIT_STALLED`, and once restarted it heals, and every committed step carries one
+state across the groups. A thread held after its vote keeps nobody waiting (the next
+quorum goes on without it) and is evicted all the same; one that holds the GIL
+freezes every Python thread, and the core ends its process.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from phalanx.manager import Timeouts
-from phalanx.watchdog import EXIT_STALLED
+from phalanx.watchdog import EXIT_STALLED, FROZEN_GRACE_S
 from test_one_state_per_step import (
     TRAIN_ON,
     WITH_ALL_THREE,
@@ -37,13 +40,13 @@ STALL_S = Timeouts.from_budget(10.0).stall
 SLACK_S = 4.0
 
 
-def evicted_with_evidence(c: Child, held_at: float) -> None:
-    """c exits as stalled within the stall timeout (and slack), having logged what it
-    was doing and every thread's stack."""
-    code = c.wait(timeout=STALL_S + 30)
+def evicted_with_evidence(c: Child, held_at: float, *, grace: float = 0.0) -> None:
+    """c exits as stalled within the stall timeout (and slack, and `grace`), having
+    logged that it was evicted and every thread's stack."""
+    code = c.wait(timeout=STALL_S + grace + 30)
     assert code == EXIT_STALLED, c.describe()
     took = time.time() - held_at
-    assert took < STALL_S + SLACK_S + 2, took
+    assert took < STALL_S + grace + SLACK_S + 2, took
     log = "\n".join(c.stderr)
     assert "was evicted from quorum" in log, log[-3000:]
     assert "Most recent call first" in log or "most recent call first" in log, log[-3000:]
@@ -97,6 +100,54 @@ def test_a_training_thread_hung_mid_step_is_evicted_restarted_and_heals(spawn, l
     a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
     b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
     c = start_rank(spawn, lighthouse.address, "c", "--hold-at", "6", *WITH_ALL_THREE, *TRAIN_ON)
+    c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
+    held_at = time.time()
+    survivors_go_on([a, b], held_at)
+    evicted_with_evidence(c, held_at)
+    lost_as_stalled(lighthouse.address, "c")
+    restart_and_heal(spawn, lighthouse.address, [a, b, c], [a, b])
+
+
+@pytest.mark.slow
+def test_a_thread_that_holds_the_gil_forever_is_evicted_and_its_process_ended(spawn, lighthouse):
+    # No Python thread of c runs: not its progress reporter, not its membership
+    # thread. The core ends it once it still lives FROZEN_GRACE_S after its eviction.
+    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
+    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
+    c = start_rank(
+        spawn,
+        lighthouse.address,
+        "c",
+        "--hold-at",
+        "6",
+        "--hold-gil",
+        *WITH_ALL_THREE,
+        *TRAIN_ON,
+    )
+    c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
+    held_at = time.time()
+    survivors_go_on([a, b], held_at)
+    evicted_with_evidence(c, held_at, grace=FROZEN_GRACE_S)
+    assert "a thread holds the GIL" in "\n".join(c.stderr)
+    restart_and_heal(spawn, lighthouse.address, [a, b, c], [a, b])
+
+
+@pytest.mark.slow
+def test_a_training_thread_hung_after_its_vote_is_evicted_restarted_and_heals(spawn, lighthouse):
+    # Nobody waits on c here: the next quorum goes on without it after the join
+    # timeout. It is hung all the same, so it is evicted and restarted.
+    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
+    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
+    c = start_rank(
+        spawn,
+        lighthouse.address,
+        "c",
+        "--hold-at",
+        "6",
+        "--hold-after-vote",
+        *WITH_ALL_THREE,
+        *TRAIN_ON,
+    )
     c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
     held_at = time.time()
     survivors_go_on([a, b], held_at)

@@ -363,6 +363,16 @@ class ManagerClient:
         """Starts listening for membership-loss events (idempotent)."""
     def next_event(self, timeout: float = 0.0) -> MembershipLost | None:
         """The next membership-loss event, or None after `timeout` seconds."""
+    def arm_eviction_exit(
+        self, replica_id: str, grace: float, status: int, dump_signal: int = 0
+    ) -> None:
+        """Ends the process with `status` if it still lives `grace` seconds after the
+        lighthouse evicted `replica_id` as stalled, raising `dump_signal` first (on
+        which faulthandler dumps every thread's stack; 0: none): the last resort of a
+        rank whose interpreter is frozen. Listens for events from now on. A status
+        outside 0–255 or a signal that does not exist raises ValueError."""
+    def disarm_eviction_exit(self) -> None:
+        """Cancels `arm_eviction_exit` (the interpreter acted on the eviction itself)."""
 
 #: The store key under which a manager server names its replica group.
 STORE_REPLICA_ID_KEY: str

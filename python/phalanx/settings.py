@@ -57,8 +57,8 @@ class Timeouts:
 
     `stall` is how long a member of the quorum may make no progress while its peers
     wait on it before the lighthouse evicts it (see `phalanx.progress`). It must be
-    shorter than the collective timeout: a hung group outlasting its peers' collective
-    is left out of their next quorum and never evicted.
+    shorter than the collective timeout, or a hung group would keep its peers waiting
+    for their whole collective timeout.
 
     >>> Timeouts.from_budget(30.0)
     Timeouts(quorum=30.0, collective=15.0, commit=15.0, heal=30.0, lighthouse=300.0, stall=10.0)
@@ -112,9 +112,9 @@ class Timeouts:
         if self.stall >= self.collective:
             raise ValueError(
                 f"the stall timeout ({self.stall} s) is not shorter than the collective "
-                f"timeout ({self.collective} s): a hung group would be left out of its "
-                "peers' next quorum before it could be evicted, and never restarted. Lower "
-                "the stall timeout or raise the collective timeout"
+                f"timeout ({self.collective} s): a hung group would keep its peers waiting "
+                "for their whole collective timeout before it could be evicted. Lower the "
+                "stall timeout or raise the collective timeout"
             )
         for phase in ("collective", "commit"):
             if self.quorum < getattr(self, phase):

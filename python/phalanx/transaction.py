@@ -66,6 +66,7 @@ class Rank:
         )
         watchdog.install_chaos(progress)
         rank = cls(settings, services, LossBook(), progress)
+        watchdog.arm(services.client, settings.replica_id)
         rank.watcher = MembershipWatcher(services.client, rank.losses, rank.heard_loss)
         progress.start()
         return rank
@@ -76,6 +77,8 @@ class Rank:
         if event.cause == "progress_stalled" and s.replica_id in event.lost:
             relays = s.group_rank == 0 and s.group_world_size > 1
             watchdog.evicted(self.progress, s.replica_id, event.quorum_id, relays=relays)
+            # Still here: this process hosts other groups' ranks too, and lives on.
+            self.services.client.disarm_eviction_exit()
 
     def close(self) -> None:
         """Stops the servers and threads and waits for the watcher to end."""

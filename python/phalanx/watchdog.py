@@ -5,7 +5,9 @@ the lighthouse, which tells the group too. Its training thread is stuck somewher
 cannot be pulled out of (a kernel, a lock, a C call), so the rank's membership thread
 does the rest: it logs what the training thread was doing (which phase, which step),
 dumps every thread's Python stack, and ends the process with `EXIT_STALLED`, so that
-`phalanx run` restarts the group and it heals like any restarted group.
+`phalanx run` restarts the group and it heals like any restarted group. If a thread
+holds the GIL forever, the membership thread never runs: then the Rust core, which
+heard the eviction too, does the dump and the exit itself (`arm`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 import weakref
 
+from phalanx import _core
 from phalanx.progress import Progress
 
 log = logging.getLogger("phalanx.watchdog")
@@ -41,6 +44,14 @@ CHAOS_SIGNAL = signal.SIGURG
 CHAOS_ENV = "PHALANX_CHAOS_HANG_THREAD_FOR"
 
 
+#: If a rank still lives this long after its group's eviction, its interpreter is
+#: frozen (a thread holds the GIL): the Rust core dumps the stacks and ends it.
+FROZEN_GRACE_S = 5.0
+
+#: The signal on which faulthandler dumps every thread's stack without the GIL, for
+#: that last resort (a real-time signal, which nothing else here uses).
+DUMP_SIGNAL = signal.SIGRTMIN + 6
+
 #: The ranks (Managers) this process hosts: one, in a job.
 _ranks: weakref.WeakSet = weakref.WeakSet()
 
@@ -52,6 +63,19 @@ def hosts(rank: object) -> None:
 
 def left(rank: object) -> None:
     _ranks.discard(rank)
+
+
+def arm(client: _core.ManagerClient, replica_id: str) -> None:
+    """Arms the last resort for a frozen interpreter: `evicted()` cannot run while
+    another thread holds the GIL, so the core watches for the eviction too."""
+    try:
+        stderr = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by one without a descriptor
+        stderr = 2
+    faulthandler.register(DUMP_SIGNAL, file=stderr, all_threads=True)
+    client.arm_eviction_exit(
+        replica_id, grace=FROZEN_GRACE_S, status=EXIT_STALLED, dump_signal=DUMP_SIGNAL
+    )
 
 
 def evicted(progress: Progress, replica_id: str, quorum_id: int, *, relays: bool = False) -> None:

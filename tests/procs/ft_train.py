@@ -12,6 +12,9 @@ optimizer steps. It prints {"event": "pausing", "step": ...} first; the test sen
 SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, before its
 backward, so that its peers' all-reduce waits for its part (the heartbeat goes on),
 until the test sends SIGUSR1. The condition reads the previous step's quorum there.
+With `--hold-gil` it holds in a C call that keeps the GIL (no Python thread of the
+process runs). With `--hold-after-vote` it holds after its vote instead, before it asks for the
+next quorum (nobody waits on it then).
 `--hold-in-heal` holds the training thread the same way inside its first heal, as it
 loads the state it fetched.
 """
@@ -19,6 +22,7 @@ loads the state it fetched.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -35,11 +39,22 @@ from state_digest import state_hash
 
 
 class Pause:
-    """Stops this process once, at one step and phase (see the module docstring)."""
+    """Stops this process, or holds its training thread, once at one step and phase
+    (see the module docstring)."""
 
-    def __init__(self, manager: phalanx.Manager, step: int, phase: str | None, participants: int):
+    def __init__(
+        self,
+        manager: phalanx.Manager,
+        step: int,
+        phase: str | None,
+        participants: int,
+        *,
+        stops: bool = True,
+    ):
         self.manager, self.step, self.phase = manager, step, phase
         self.participants = participants
+        if not stops:
+            return  # a hold: the training loop calls held() itself
         if phase == "before_vote":
             # The vote is the manager server's RPC: stop just before it is sent.
             manager._client = _StopBeforeVote(manager._client, self)
@@ -62,6 +77,16 @@ class Pause:
             self.phase = None
             print(json.dumps({"event": "pausing", "phase": phase, "step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def held(self, step: int, *, gil: bool = False) -> None:
+        """Holds the training thread (only) until SIGUSR1, once; or, with `gil`, for
+        60 s in a C call that keeps the GIL, which freezes every Python thread."""
+        self.phase = None
+        print(json.dumps({"event": "holding", "step": step}), flush=True)
+        if gil:
+            ctypes.PyDLL(None).sleep(60)
+        else:
+            signal.sigtimedwait([signal.SIGUSR1], 60)
 
 
 class _StopBeforeVote:
@@ -120,6 +145,16 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--hold-at", type=int, default=-1)
     parser.add_argument(
+        "--hold-gil",
+        action="store_true",
+        help="hold in a C call that keeps the GIL (for 60 s) instead: no thread runs",
+    )
+    parser.add_argument(
+        "--hold-after-vote",
+        action="store_true",
+        help="hold at --hold-at after the step's vote (before the next quorum) instead",
+    )
+    parser.add_argument(
         "--hold-in-heal",
         action="store_true",
         help="hold the training thread inside its first heal (loading the fetched state)",
@@ -149,7 +184,8 @@ def main() -> None:
     optimizer = phalanx.Optimizer(manager, torch.optim.Adam(model.parameters(), lr=0.01))
     rank = manager.group_rank
     pause = Pause(manager, args.pause_at, args.pause_phase, args.pause_participants)
-    hold = Pause(manager, args.hold_at, "hold", args.pause_participants)
+    hold_phase = "after_vote" if args.hold_after_vote else "before_backward"
+    hold = Pause(manager, args.hold_at, hold_phase, args.pause_participants, stops=False)
     timeouts = manager.timeouts
     if args.first_heal_timeout is not None:
         manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
@@ -168,19 +204,26 @@ def main() -> None:
         x = torch.randn(32, 8, generator=g)
         y = x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(ddp(x), y)
-        if hold.phase and hold.due(step) and manager.wait_quorum() and hold.due(step):
+        if (
+            hold.phase == "before_backward"
+            and hold.due(step)
+            and manager.wait_quorum()
+            and hold.due(step)
+        ):
             # Before its backward: its peers' all-reduce waits for its part. Checked again
             # on this step's own quorum (due() reads the previous one until it is taken):
             # a quorum formed without this group would leave nobody waiting on it.
-            hold.phase = None
-            print(json.dumps({"event": "holding", "step": step}), flush=True)
-            signal.sigtimedwait([signal.SIGUSR1], 60)
+            hold.held(step, gil=args.hold_gil)
         loss.backward()
         pause.at("in_allreduce", step)
         committed = optimizer.step()
         if manager.last_step.healed or "heal" in (manager.failure or ""):
             manager.timeouts = timeouts  # the first heal is over, one way or the other
         print_step(manager, step, committed, loss.item(), state_hash(model, optimizer.optimizer))
+        if hold.phase == "after_vote" and committed and hold.due(step):
+            # Voted, and not yet asking for the next quorum: nobody waits on it, and the
+            # next quorum goes on without it after the lighthouse's join timeout.
+            hold.held(step)
         time.sleep(args.step_sleep)
     manager.shutdown()
     print(json.dumps({"event": "done", "step": manager.current_step()}), flush=True)

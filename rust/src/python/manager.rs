@@ -4,9 +4,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tokio::sync::mpsc;
 
+use super::eviction;
 use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
 use super::{seconds, seconds_or_zero, stop, unsigned, Server};
@@ -91,6 +93,7 @@ type EventQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<proto::MembershipLost>>>
 pub struct ManagerClient {
     inner: client::ManagerClient,
     events: Mutex<Option<EventQueue>>,
+    eviction_exit: eviction::Armed,
 }
 
 #[pymethods]
@@ -109,6 +112,7 @@ impl ManagerClient {
         Ok(ManagerClient {
             inner,
             events: Mutex::new(None),
+            eviction_exit: Arc::default(),
         })
     }
 
@@ -252,9 +256,11 @@ impl ManagerClient {
         let client = self.inner.clone();
         let mut stream = wait(py, async move { client.events(timeout).await })?;
         let (tx, rx) = mpsc::channel(64);
+        let eviction_exit = self.eviction_exit.clone();
         control().spawn(async move {
             while let Ok(Some(event)) = stream.message().await {
                 if let Some(lost) = event.membership_lost {
+                    eviction::heard(&eviction_exit, &lost);
                     if tx.send(lost).await.is_err() {
                         return;
                     }
@@ -264,6 +270,42 @@ impl ManagerClient {
         let mut slot = self.events.lock().unwrap_or_else(|e| e.into_inner());
         slot.get_or_insert_with(|| Arc::new(tokio::sync::Mutex::new(rx)));
         Ok(())
+    }
+
+    /// Ends the process with `status` if it still lives `grace` seconds after the
+    /// lighthouse evicted `replica_id` as stalled, first raising `dump_signal` (on
+    /// which faulthandler dumps every thread's stack; 0: none). The last resort of a
+    /// rank whose interpreter is frozen; listens for events from now on.
+    #[pyo3(signature = (replica_id, grace, status, dump_signal = 0))]
+    fn arm_eviction_exit(
+        &self,
+        py: Python<'_>,
+        replica_id: String,
+        grace: f64,
+        status: i32,
+        dump_signal: i32,
+    ) -> PyResult<()> {
+        if !(0..=255).contains(&status) || !(0..=libc::SIGRTMAX()).contains(&dump_signal) {
+            return Err(PyValueError::new_err(format!(
+                "arm_eviction_exit: status {status} or dump_signal {dump_signal} is out of \
+                 range: pass an exit status from 0 to 255 and a signal number from 1 to {} \
+                 (0: no dump)",
+                libc::SIGRTMAX()
+            )));
+        }
+        let exit = eviction::EvictionExit {
+            replica_id,
+            grace: seconds("grace", grace)?,
+            dump_signal,
+            status,
+        };
+        *self.eviction_exit.lock().unwrap_or_else(|e| e.into_inner()) = Some(exit);
+        self.subscribe_events(py, 5.0)
+    }
+
+    /// Cancels `arm_eviction_exit` (the interpreter acted on the eviction itself).
+    fn disarm_eviction_exit(&self) {
+        *self.eviction_exit.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// The next membership-loss event, or None after `timeout` seconds (0: don't wait).

@@ -22,6 +22,7 @@ use pyo3::types::PyTuple;
 use crate::server::ServerHandle;
 use crate::{proto, ErrorKind};
 
+mod eviction;
 mod lighthouse;
 mod manager;
 mod runtime;
