@@ -23,11 +23,16 @@ def together(*calls: Callable[[], object]) -> list[object]:
 
 @pytest.fixture
 def group(lighthouse) -> Iterator[tuple[phalanx.ManagerClient, phalanx.ManagerClient]]:
-    """Replica group "g" of two ranks: the clients of rank 0 and rank 1."""
+    """Replica group "g" of two ranks: the clients of rank 0 (in the server's process,
+    as a Manager's is: its calls go to the server directly) and rank 1 (over the
+    network)."""
     with phalanx.ManagerServer(
         "g", lighthouse.address, world_size=2, heartbeat_interval=HEARTBEAT_INTERVAL
     ) as server:
-        yield phalanx.ManagerClient(server.address), phalanx.ManagerClient(server.address)
+        yield (
+            phalanx.ManagerClient(server.address, server=server),
+            phalanx.ManagerClient(server.address),
+        )
 
 
 def both_ask(group, step: int) -> list[phalanx.QuorumResult]:
@@ -203,3 +208,39 @@ def test_a_group_that_shuts_down_is_reported_to_the_others_at_once(lighthouse):
         assert (event.lost, event.cause) == (["b"], "stream_broken")
         assert event.quorum_id == quorums[0].quorum_id
         assert a_rank.quorum(0, 1, timeout=5.0).quorum_id > event.quorum_id
+
+
+def test_a_quorum_asked_in_the_background_answers_once(group):
+    rank0, rank1 = group
+    asked = [
+        rank.start_quorum(r, 0, timeout=5.0, state_address=f"127.0.0.1:{1000 + r}")
+        for r, rank in enumerate(group)
+    ]
+    r0, r1 = (a.result() for a in asked)
+    assert r0.quorum_id == r1.quorum_id > 0
+    with pytest.raises(RuntimeError, match="answers once"):
+        asked[0].result()
+
+
+def test_a_refused_quorum_asked_in_the_background_raises_when_taken(group):
+    rank0, _ = group
+    asked = rank0.start_quorum(5, 0, timeout=1.0)  # no rank 5 in a group of two
+    with pytest.raises(ValueError, match="group rank 5 is out of range"):
+        asked.result()
+
+
+def test_an_in_process_client_needs_the_server_at_its_address(lighthouse):
+    with (
+        phalanx.ManagerServer("a", lighthouse.address) as a,
+        phalanx.ManagerServer("b", lighthouse.address) as b,
+    ):
+        with pytest.raises(ValueError, match="serves .*, not"):
+            phalanx.ManagerClient(a.address, server=b)
+
+
+def test_an_in_process_client_of_a_stopped_server_is_refused(lighthouse):
+    server = phalanx.ManagerServer("g", lighthouse.address)
+    rank = phalanx.ManagerClient(server.address, server=server)
+    server.shutdown()
+    with pytest.raises(ConnectionError, match="shutting down"):
+        rank.should_commit(0, 0, True, timeout=1.0)

@@ -303,11 +303,26 @@ class ManagerServer:
         tb: TracebackType | None,
     ) -> bool: ...
 
+class PendingQuorum:
+    """A quorum asked for by `ManagerClient.start_quorum`, on its way."""
+
+    def result(self) -> QuorumResult:
+        """Waits for the quorum (its own timeout bounds the wait) and returns it, or
+        raises as `ManagerClient.quorum()` does. It answers once: a second call raises
+        RuntimeError."""
+
 class ManagerClient:
-    """One rank's connection to its group's manager server."""
+    """One rank's connection to its group's manager server. Given `server`, the
+    manager server this process hosts at `address`, its quorums, votes and progress
+    reports go to it directly, without the network (a server at another address
+    raises ValueError)."""
 
     def __init__(
-        self, address: str, token: str | None = None, connect_timeout: float = 5.0
+        self,
+        address: str,
+        token: str | None = None,
+        connect_timeout: float = 5.0,
+        server: ManagerServer | None = None,
     ) -> None: ...
     def quorum(
         self,
@@ -326,6 +341,25 @@ class ManagerClient:
         for the same step. `state_refused`: this rank's state server's refusals so far
         (`StateServer.refused_requests`), and `healed_bytes`: the bytes it fetched in
         heals so far, both of which the group reports to the lighthouse."""
+    def start_quorum(
+        self,
+        group_rank: int,
+        step: int,
+        timeout: float,
+        state_address: str = "",
+        shrink_only: bool = False,
+        state_quorum_id: int = 0,
+        torn: bool = False,
+        state_refused: dict[str, int] | None = None,
+        healed_bytes: int = 0,
+    ) -> PendingQuorum:
+        """`quorum()` in the background: returns at once; the quorum comes from
+        `result()`. Ask before the forward pass, take it after.
+
+        >>> asked = rank.start_quorum(0, step, timeout=30.0)  # doctest: +SKIP
+        >>> asked.result().quorum_id  # doctest: +SKIP
+        7
+        """
     def should_commit(
         self,
         group_rank: int,

@@ -45,7 +45,8 @@ class RankServices:
             store = Store(address, token=settings.token, timeout=settings.timeouts.quorum)
             if server is None:
                 _check_manager(settings, store, address)
-            client = _core.ManagerClient(address, token=settings.token)
+            # Rank 0 hosts the server: its quorums and votes go to it in-process.
+            client = _core.ManagerClient(address, token=settings.token, server=server)
             client.subscribe_events()
             host = _state_host(settings)
             undo.pop_all()

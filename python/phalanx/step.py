@@ -16,9 +16,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +31,12 @@ log = logging.getLogger("phalanx.manager")
 #: the lighthouse to say which group died, for the failure message: a crash is known
 #: to the survivors in tens of milliseconds.
 EXPLAIN_WAIT_S = 0.25
+
+
+class Asked(Protocol):
+    """A quorum asked for in the background (`_core.PendingQuorum`, or any future)."""
+
+    def result(self) -> _core.QuorumResult: ...
 
 
 @dataclass
@@ -64,7 +70,7 @@ class Step:
     def __init__(
         self,
         number: int,
-        quorum: Future[_core.QuorumResult],
+        quorum: Asked,
         previous: _core.QuorumResult | None = None,
     ):
         self.number = number

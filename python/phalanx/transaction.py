@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -46,9 +45,6 @@ class Rank:
     serving: bool = False
     #: Tensor bytes fetched in heals so far, for the lighthouse's metrics.
     healed_bytes: int = 0
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="phalanx-quorum")
-    )
 
     def __post_init__(self) -> None:
         self.reach = Reachability(self.settings.replica_id)
@@ -83,7 +79,6 @@ class Rank:
     def close(self) -> None:
         """Stops the servers and threads and waits for the watcher to end."""
         self.progress.stop()
-        self.executor.shutdown(wait=False, cancel_futures=True)
         self.services.shutdown()
         if self.watcher is not None:
             self.watcher.stop()
@@ -99,8 +94,7 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
     held.new_step()
     rank.progress.bind()
     rank.progress.step_began(held.step)
-    asked = rank.executor.submit(
-        rank.services.client.quorum,
+    asked = rank.services.client.start_quorum(
         rank.settings.group_rank,
         held.step,
         rank.settings.timeouts.quorum,

@@ -14,6 +14,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 use crate::auth::{AttachToken, JobToken};
+use crate::manager::LocalManager;
 use crate::proto::{self, PROTOCOL_VERSION};
 use crate::Error;
 
@@ -365,6 +366,9 @@ impl LighthouseClient {
 pub struct ManagerClient {
     address: String,
     inner: proto::manager_client::ManagerClient<Authed>,
+    /// The manager server itself, when this process hosts it: quorums, votes and
+    /// progress go to it directly (events still come over the network).
+    local: Option<LocalManager>,
 }
 
 impl ManagerClient {
@@ -374,7 +378,16 @@ impl ManagerClient {
             address: address.to_string(),
             inner: proto::manager_client::ManagerClient::with_interceptor(channel, attach)
                 .max_decoding_message_size(MAX_RESPONSE_BYTES),
+            local: None,
         })
+    }
+
+    /// This client's calls go to `server`, hosted by this process, without the network.
+    pub fn in_process(self, server: LocalManager) -> Self {
+        ManagerClient {
+            local: Some(server),
+            ..self
+        }
     }
 
     /// Asks for the quorum of `request.step`; the protocol version and the timeout
@@ -392,6 +405,10 @@ impl ManagerClient {
             },
             timeout,
         );
+        if let Some(local) = &self.local {
+            return call("manager server", &self.address, timeout, local.quorum(request))
+                .await;
+        }
         let mut client = self.inner.clone();
         call(
             "manager server",
@@ -416,6 +433,10 @@ impl ManagerClient {
             },
             timeout,
         );
+        if let Some(local) = &self.local {
+            return call("manager server", &self.address, timeout, local.should_commit(request))
+                .await;
+        }
         let mut client = self.inner.clone();
         call(
             "manager server",
@@ -439,6 +460,10 @@ impl ManagerClient {
             },
             timeout,
         );
+        if let Some(local) = &self.local {
+            return call("manager server", &self.address, timeout, local.progress(request))
+                .await.map(|_| ());
+        }
         let mut client = self.inner.clone();
         call(
             "manager server",

@@ -4,9 +4,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::eviction;
 use super::runtime::{connect, control, wait};
@@ -26,6 +26,7 @@ pub struct ManagerServer {
     #[pyo3(get)]
     address: String,
     refusals: Arc<GroupRefusals>,
+    local: manager::LocalManager,
 }
 
 #[pymethods]
@@ -66,6 +67,7 @@ impl ManagerServer {
             handle: Mutex::new(Some(handle.server)),
             address: handle.address,
             refusals: handle.refusals,
+            local: handle.local,
         };
         Ok(Server::init(server))
     }
@@ -88,6 +90,60 @@ impl ManagerServer {
 
 type EventQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<proto::MembershipLost>>>;
 
+type QuorumAnswer = Result<proto::ManagerQuorumResponse, crate::Error>;
+
+/// A quorum asked for by `ManagerClient.start_quorum`, on its way.
+#[pyclass(module = "phalanx._core", frozen)]
+pub struct PendingQuorum {
+    answered: Mutex<Option<oneshot::Receiver<QuorumAnswer>>>,
+}
+
+#[pymethods]
+impl PendingQuorum {
+    /// Waits for the quorum (its own timeout bounds the wait) and returns it, or
+    /// raises as `ManagerClient.quorum()` does. It can be taken once.
+    fn result(&self, py: Python<'_>) -> PyResult<QuorumResult> {
+        let answered = self
+            .answered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                PyRuntimeError::new_err(
+                    "this quorum was taken already: result() answers once; keep what it returned",
+                )
+            })?;
+        let r = wait(py, async move {
+            answered.await.unwrap_or_else(|_| {
+                Err(crate::Error::Rpc(tonic::Status::unavailable(
+                    "the phalanx runtime stopped before the quorum came",
+                )))
+            })
+        })?;
+        Ok(QuorumResult {
+            quorum_id: r.quorum_id,
+            replica_rank: r.replica_rank,
+            replica_world_size: r.replica_world_size,
+            participants: r.participants.into_iter().map(Into::into).collect(),
+            max_step: r.max_step,
+            max_state_quorum_id: r.max_state_quorum_id,
+            heal: r.heal,
+            recovery_sources: r
+                .recovery_sources
+                .into_iter()
+                .map(|s| RecoverySource {
+                    replica_id: s.replica_id,
+                    state_address: s.state_address,
+                })
+                .collect(),
+            contributors: r.contributors,
+            serves_healers: r.serves_healers,
+            store_address: r.store_address,
+            store_prefix: r.store_prefix,
+        })
+    }
+}
+
 /// One rank's connection to its group's manager server.
 #[pyclass(module = "phalanx._core", frozen)]
 pub struct ManagerClient {
@@ -99,16 +155,28 @@ pub struct ManagerClient {
 #[pymethods]
 impl ManagerClient {
     #[new]
-    #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
+    #[pyo3(signature = (address, token = None, connect_timeout = 5.0, server = None))]
     fn new(
         py: Python<'_>,
         address: &str,
         token: Option<String>,
         connect_timeout: f64,
+        server: Option<Bound<'_, ManagerServer>>,
     ) -> PyResult<Self> {
-        let inner = connect(py, token, connect_timeout, |token, timeout| {
+        let mut inner = connect(py, token, connect_timeout, |token, timeout| {
             client::ManagerClient::new(address, token, timeout)
         })?;
+        if let Some(server) = server {
+            let server = server.get();
+            if server.address != address {
+                return Err(PyValueError::new_err(format!(
+                    "the manager server given serves {}, not {address}: pass the server \
+                     this process hosts at the address the client connects to",
+                    server.address
+                )));
+            }
+            inner = inner.in_process(server.local.clone());
+        }
         Ok(ManagerClient {
             inner,
             events: Mutex::new(None),
@@ -133,6 +201,36 @@ impl ManagerClient {
         state_refused: Option<HashMap<String, u64>>,
         healed_bytes: u64,
     ) -> PyResult<QuorumResult> {
+        self.start_quorum(
+            group_rank,
+            step,
+            timeout,
+            state_address,
+            shrink_only,
+            state_quorum_id,
+            torn,
+            state_refused,
+            healed_bytes,
+        )?
+        .result(py)
+    }
+
+    /// `quorum()` in the background: returns at once, and `result()` of what it
+    /// returns waits for the quorum. Ask before the forward pass, take it after.
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_quorum(
+        &self,
+        group_rank: i64,
+        step: i64,
+        timeout: f64,
+        state_address: String,
+        shrink_only: bool,
+        state_quorum_id: u64,
+        torn: bool,
+        state_refused: Option<HashMap<String, u64>>,
+        healed_bytes: u64,
+    ) -> PyResult<PendingQuorum> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
             group_rank: unsigned("group_rank", group_rank)?,
@@ -150,27 +248,12 @@ impl ManagerClient {
             ..Default::default()
         };
         let client = self.inner.clone();
-        let r = wait(py, async move { client.quorum(request, timeout).await })?;
-        Ok(QuorumResult {
-            quorum_id: r.quorum_id,
-            replica_rank: r.replica_rank,
-            replica_world_size: r.replica_world_size,
-            participants: r.participants.into_iter().map(Into::into).collect(),
-            max_step: r.max_step,
-            max_state_quorum_id: r.max_state_quorum_id,
-            heal: r.heal,
-            recovery_sources: r
-                .recovery_sources
-                .into_iter()
-                .map(|s| RecoverySource {
-                    replica_id: s.replica_id,
-                    state_address: s.state_address,
-                })
-                .collect(),
-            contributors: r.contributors,
-            serves_healers: r.serves_healers,
-            store_address: r.store_address,
-            store_prefix: r.store_prefix,
+        let (answer, answered) = oneshot::channel();
+        control().spawn(async move {
+            let _ = answer.send(client.quorum(request, timeout).await);
+        });
+        Ok(PendingQuorum {
+            answered: Mutex::new(Some(answered)),
         })
     }
 
@@ -343,6 +426,7 @@ impl ManagerClient {
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ManagerServer>()?;
     m.add_class::<ManagerClient>()?;
+    m.add_class::<PendingQuorum>()?;
     m.add("STORE_REPLICA_ID_KEY", manager::REPLICA_ID_KEY)?;
     Ok(())
 }
