@@ -111,19 +111,24 @@ def mlp_and_batches(width: int, seed: int):
     return model, batches
 
 
-def slowest_median(procs: Sequence[subprocess.Popen], what: str) -> float:
-    """Waits for worker processes that print `{"median_ms": …}` last and returns the
-    slowest one's (the job's step time); kills any left on the way out."""
-    medians = []
+def worker_results(procs: Sequence[subprocess.Popen], what: str) -> list[dict]:
+    """Waits for worker processes that print one JSON object last and returns those;
+    kills any left on the way out."""
+    results = []
     try:
         for p in procs:
             out, _ = p.communicate(timeout=600)
             if p.returncode != 0:
                 raise RuntimeError(f"{what} worker failed with exit code {p.returncode}")
-            medians.append(json.loads(out.strip().splitlines()[-1])["median_ms"])
+            results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return max(medians)
+    return results
+
+
+def slowest_median(procs: Sequence[subprocess.Popen], what: str) -> float:
+    """The slowest worker's `median_ms` (the job's step time); see `worker_results`."""
+    return max(r["median_ms"] for r in worker_results(procs, what))

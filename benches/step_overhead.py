@@ -2,7 +2,12 @@
 phalanx DDP (quorum, fault-tolerant all-reduce, commit vote) against plain
 torch.nn.parallel.DistributedDataParallel over gloo with no fault tolerance.
 
-    python benches/step_overhead.py --steps 200
+    python benches/step_overhead.py --steps 200 --rounds 5
+
+Each round runs both, one after the other; the ratio reported is the median of the
+rounds' ratios, with their min and max. On a busy machine the step time swings with
+the load; the CPU each rank spends per step (all its threads) is steadier, and is
+what phalanx adds to a step on a machine with cores to spare for it.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from harness import free_port, lighthouse_process, mlp_and_batches, report, slowest_median
+from harness import free_port, lighthouse_process, mlp_and_batches, report, worker_results
 
 WORKER = Path(__file__).resolve()
 
@@ -53,19 +59,27 @@ def run_worker(args: argparse.Namespace) -> None:
 
     times = []
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            cpu = time.process_time()
         x, y = batches[i % len(batches)]
         start = time.perf_counter()
         step(x, y)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"median_ms": statistics.median(times) * 1e3}), flush=True)
+    cpu_ms = (time.process_time() - cpu) / args.steps * 1e3
+    print(json.dumps({"median_ms": statistics.median(times) * 1e3, "cpu_ms": cpu_ms}), flush=True)
     if args.mode == "torch":
         dist.destroy_process_group()
     else:
         manager.shutdown()
 
 
-def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
+class Sample(NamedTuple):
+    step_ms: float
+    cpu_ms: float
+
+
+def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample:
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -93,12 +107,19 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
         )
         for rank in range(2)
     ]
-    return slowest_median(procs, mode)
+    results = worker_results(procs, mode)
+    # The job's step time is its slowest rank's; CPU is what a rank spends per step.
+    return Sample(
+        max(r["median_ms"] for r in results), statistics.mean(r["cpu_ms"] for r in results)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="torch and phalanx runs, taken in turn"
+    )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--worker", choices=["torch", "phalanx"])
@@ -111,22 +132,42 @@ def main() -> None:
         run_worker(args)
         return
 
-    baseline = measure("torch", args)
+    # Interleaved, so that a machine busy for a while weighs on both sides alike.
+    rounds = []
     with lighthouse_process("--min-replicas", "2") as (address, _):
-        ours = measure("phalanx", args, address)
+        for _ in range(args.rounds):
+            rounds.append((measure("torch", args), measure("phalanx", args, address)))
+    step_ratios = [ours.step_ms / base.step_ms for base, ours in rounds]
+    cpu_ratios = [ours.cpu_ms / base.cpu_ms for base, ours in rounds]
+    median = statistics.median
     params = sum(p.numel() for p in mlp_and_batches(args.width, 0)[0].parameters())
     result = {
         "bench": "step_overhead",
-        "phalanx_ms": round(ours, 3),
-        "baseline_ms": round(baseline, 3),
-        "ratio": round(ours / baseline, 3),
+        "phalanx_ms": round(median(ours.step_ms for _, ours in rounds), 3),
+        "baseline_ms": round(median(base.step_ms for base, _ in rounds), 3),
+        "ratio": round(median(step_ratios), 3),
+        "ratio_min": round(min(step_ratios), 3),
+        "ratio_max": round(max(step_ratios), 3),
+        "phalanx_cpu_ms": round(median(ours.cpu_ms for _, ours in rounds), 3),
+        "baseline_cpu_ms": round(median(base.cpu_ms for base, _ in rounds), 3),
+        "cpu_ratio": round(median(cpu_ratios), 3),
+        "cpu_ratio_min": round(min(cpu_ratios), 3),
+        "cpu_ratio_max": round(max(cpu_ratios), 3),
+        "rounds": args.rounds,
     }
     report(
-        f"step time, 2 groups, MLP of {params / 1e6:.1f}M parameters, median of {args.steps}",
+        f"step time, 2 groups, MLP of {params / 1e6:.1f}M parameters, median of "
+        f"{args.steps} steps; medians of {args.rounds} interleaved rounds",
         [
             ("torch DDP over gloo (ms)", result["baseline_ms"]),
             ("phalanx DDP (ms)", result["phalanx_ms"]),
-            ("ratio", result["ratio"]),
+            ("ratio", f"{result['ratio']} ({result['ratio_min']}–{result['ratio_max']})"),
+            ("CPU per step, torch DDP (ms)", result["baseline_cpu_ms"]),
+            ("CPU per step, phalanx (ms)", result["phalanx_cpu_ms"]),
+            (
+                "CPU ratio",
+                f"{result['cpu_ratio']} ({result['cpu_ratio_min']}–{result['cpu_ratio_max']})",
+            ),
         ],
         result,
     )

@@ -233,9 +233,9 @@ def test_an_in_process_client_needs_the_server_at_its_address(lighthouse):
     with (
         phalanx.ManagerServer("a", lighthouse.address) as a,
         phalanx.ManagerServer("b", lighthouse.address) as b,
+        pytest.raises(ValueError, match="serves .*, not"),
     ):
-        with pytest.raises(ValueError, match="serves .*, not"):
-            phalanx.ManagerClient(a.address, server=b)
+        phalanx.ManagerClient(a.address, server=b)
 
 
 def test_an_in_process_client_of_a_stopped_server_is_refused(lighthouse):

@@ -406,8 +406,13 @@ impl ManagerClient {
             timeout,
         );
         if let Some(local) = &self.local {
-            return call("manager server", &self.address, timeout, local.quorum(request))
-                .await;
+            return call(
+                "manager server",
+                &self.address,
+                timeout,
+                local.quorum(request),
+            )
+            .await;
         }
         let mut client = self.inner.clone();
         call(
@@ -434,8 +439,13 @@ impl ManagerClient {
             timeout,
         );
         if let Some(local) = &self.local {
-            return call("manager server", &self.address, timeout, local.should_commit(request))
-                .await;
+            return call(
+                "manager server",
+                &self.address,
+                timeout,
+                local.should_commit(request),
+            )
+            .await;
         }
         let mut client = self.inner.clone();
         call(
@@ -461,8 +471,14 @@ impl ManagerClient {
             timeout,
         );
         if let Some(local) = &self.local {
-            return call("manager server", &self.address, timeout, local.progress(request))
-                .await.map(|_| ());
+            return call(
+                "manager server",
+                &self.address,
+                timeout,
+                local.progress(request),
+            )
+            .await
+            .map(|_| ());
         }
         let mut client = self.inner.clone();
         call(
