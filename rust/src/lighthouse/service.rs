@@ -121,6 +121,18 @@ impl Shared {
         self.schedule(st, Some(now + st.heartbeat_timeout()));
     }
 
+    /// After a quorum request joined: runs the engine, unless the request cannot end
+    /// the engine's wait (see `LighthouseState::wait_stands`); then only the
+    /// requester's liveness, which the request renewed or began, needs a deadline.
+    fn joined(&self, st: &mut LighthouseState, now: Instant) {
+        if st.wait_stands(now) {
+            self.metrics.live_replicas.set(st.live_replicas() as i64);
+            self.schedule(st, Some(now + st.heartbeat_timeout()));
+        } else {
+            self.evaluate(st, now);
+        }
+    }
+
     fn schedule(&self, st: &mut LighthouseState, at: Option<Instant>) {
         if let Some(at) = at {
             if st.ticker_deadline.is_none_or(|d| at < d) {
@@ -239,7 +251,7 @@ impl Lighthouse for LighthouseService {
                 Refusal::DuplicateReplica,
                 st.join(member.into(), req.last_quorum_id, now, reply_tx),
             )?;
-            self.shared.evaluate(&mut st, now);
+            self.shared.joined(&mut st, now);
             ticket
         };
         let mut guard = LeaveOnDrop {
@@ -258,7 +270,11 @@ impl Lighthouse for LighthouseService {
                 Err(Status::unavailable("the lighthouse is shutting down"))
             }
             Err(_) => {
-                let reason = self.shared.lock().waiting_reason().to_string();
+                let reason = self
+                    .shared
+                    .lock()
+                    .waiting_reason(Instant::now())
+                    .to_string();
                 Err(Status::deadline_exceeded(format!(
                     "no quorum within {:.3} s: {reason}",
                     timeout.as_secs_f64()
