@@ -117,7 +117,9 @@ impl Shared {
             self.metrics.quorum_id.set(issued.quorum_id as i64);
         }
         self.metrics.live_replicas.set(st.live_replicas() as i64);
-        self.schedule(st, st.waiting_until());
+        // The engine's deadline, the next expiry and stall time: a request that just
+        // began to wait on a stalled member may have brought its eviction forward.
+        self.schedule(st, st.next_wakeup(now));
         self.schedule(st, Some(now + st.heartbeat_timeout()));
     }
 

@@ -240,6 +240,10 @@ pub struct LighthouseState {
     /// last looked (a request left, a group was evicted or opened a stream): the next
     /// join runs the engine.
     engine_due: bool,
+    /// A member of the current quorum is due as stalled and no peer waits on it yet
+    /// (see `evict_stalled`): the next request to join makes a peer wait, so it runs
+    /// the stall check.
+    stall_overdue: bool,
     /// Groups declared dead recently, oldest first.
     lost: VecDeque<Lost>,
     /// When some group last committed a step, or when the lighthouse started.
@@ -290,6 +294,7 @@ impl LighthouseState {
             waiting_stale: false,
             late_cursor: 0,
             engine_due: false,
+            stall_overdue: false,
             lost: VecDeque::new(),
             last_commit: epoch,
             ticker_deadline: None,
@@ -690,6 +695,7 @@ impl LighthouseState {
             );
             self.evict(id, Eviction::ProgressStalled, now);
         }
+        self.stall_overdue = overdue;
         (stalled, overdue)
     }
 
@@ -884,12 +890,18 @@ impl LighthouseState {
     /// or a later one (a re-request moves the round's first request later; the
     /// deadline task then finds the wait longer). Nor can a join make a stalled
     /// member due for eviction at once: its wait starts now, and a stall is evicted
-    /// only once a peer waited half the stall timeout.
+    /// only once a peer waited half the stall timeout; but a member due already and
+    /// waited on by nobody yet gets its eviction time from this join, so then the
+    /// stall check runs (and the deadline task is set for that time).
     pub fn wait_stands(&mut self, now: Instant) -> bool {
         let (WaitReason::LateMembers { .. }, Some(until)) = &self.waiting else {
             return false;
         };
-        if self.engine_due || now >= *until || self.ticker_deadline.is_none_or(|at| now >= at) {
+        if self.engine_due
+            || self.stall_overdue
+            || now >= *until
+            || self.ticker_deadline.is_none_or(|at| now >= at)
+        {
             return false;
         }
         let Some(quorum) = &self.previous else {
@@ -1528,6 +1540,32 @@ mod tests {
             "{reason}"
         );
         assert!(s.wait_stands(ms(300)), "c is late again");
+    }
+
+    #[test]
+    fn a_join_runs_the_stall_check_while_a_stalled_member_waits_for_a_waiting_peer() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        let ((_, b), _eb) = open(&mut s, "b", t);
+        let ((_, c), _ec) = open(&mut s, "c", t);
+        form_quorum(&mut s, &["a", "b", "c"], t);
+        s.ticker_deadline = Some(ms(7000));
+        trained(&a, ms(6000), 6000, 0);
+        trained(&b, ms(6000), 0, 0);
+        assert!(c.beat(ms(6000), 0, 0));
+        assert_eq!(s.evict_stalled(ms(6000)), (vec![], true), "a is due");
+        join_at_step(&mut s, "b", 0, ms(6000));
+        assert!(s.evaluate(ms(6000), 0).is_none(), "a and c are late");
+        join_at_step(&mut s, "c", 0, ms(6100));
+        assert!(!s.wait_stands(ms(6100)), "b began to wait on a, who is due");
+        assert_eq!(s.evict_stalled(ms(6100)), (vec![], false));
+        assert!(s.wait_stands(ms(6100)), "a is late, and no longer overdue");
+        // a goes once b waited half of a's stall timeout.
+        trained(&a, ms(8499), 8499, 0);
+        assert_eq!(s.evict_stalled(ms(8499)), (vec![], false));
+        assert_eq!(s.evict_stalled(ms(8500)).0, ["a".to_string()]);
     }
 
     /// Member `k`'s stall times as the lighthouse computed them before `earliest_waits`:
