@@ -117,10 +117,12 @@ impl Shared {
             self.metrics.quorum_id.set(issued.quorum_id as i64);
         }
         self.metrics.live_replicas.set(st.live_replicas() as i64);
-        // The engine's deadline, the next expiry and stall time: a request that just
-        // began to wait on a stalled member may have brought its eviction forward.
-        self.schedule(st, st.next_wakeup(now));
+        self.schedule(st, st.waiting_until());
         self.schedule(st, Some(now + st.heartbeat_timeout()));
+        // A request that just began to wait on a stalled member may have brought its
+        // eviction forward, and a new quorum may have left a stalled group out. (Not
+        // every group's expiry: that stays the deadline task's, as before.)
+        self.schedule(st, st.next_stall(now));
     }
 
     /// After a quorum request joined: runs the engine, unless the request cannot end

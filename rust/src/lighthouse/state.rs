@@ -925,41 +925,42 @@ impl LighthouseState {
         }
     }
 
-    /// When the background task must look again: the engine's deadline or the next
-    /// heartbeat expiry, whichever is first.
+    /// When the background task must look again: the engine's deadline, the next
+    /// heartbeat expiry or the next stall, whichever is first.
     pub fn next_wakeup(&self, now: Instant) -> Option<Instant> {
         let expiry = self
             .replicas
             .values()
             .map(|r| r.pulse.last_beat() + self.heartbeat_timeout)
             .min();
-        // A stall due later; one due already waits for a peer to wait (see
-        // `evict_stalled`), which wakes the task itself.
-        let waits = self.previous.as_ref().map(|q| self.earliest_waits(q));
-        let stall = self
-            .previous
-            .iter()
-            .zip(&waits)
-            .flat_map(|(q, waits)| {
-                q.replica_ids()
-                    .enumerate()
-                    .map(move |(k, id)| (k, id, waits))
-            })
-            .flat_map(|(k, id, waits)| {
-                let (due, evict_at) = self.stall_due(k, id, waits);
-                [due, evict_at].into_iter().flatten().filter(|at| *at > now)
-            })
-            .chain(
-                self.replicas
-                    .keys()
-                    .filter_map(|id| self.dropped_due(id))
-                    .filter(|at| *at > now),
-            );
-        [self.waiting.1, expiry]
+        [self.waiting.1, expiry, self.next_stall(now)]
             .into_iter()
             .flatten()
-            .chain(stall)
             .min()
+    }
+
+    /// When a member of the current quorum is next due as stalled, or due for
+    /// eviction, or a group that dropped out of it is (see `evict_stalled`): a member
+    /// due already waits for a peer to wait, which wakes the deadline task itself.
+    pub fn next_stall(&self, now: Instant) -> Option<Instant> {
+        let members = self.previous.as_ref().and_then(|quorum| {
+            let waits = self.earliest_waits(quorum);
+            quorum
+                .replica_ids()
+                .enumerate()
+                .flat_map(|(k, id)| {
+                    let (due, evict_at) = self.stall_due(k, id, &waits);
+                    [due, evict_at].into_iter().flatten().filter(|at| *at > now)
+                })
+                .min()
+        });
+        let dropped = self
+            .replicas
+            .keys()
+            .filter_map(|id| self.dropped_due(id))
+            .filter(|at| *at > now)
+            .min();
+        [members, dropped].into_iter().flatten().min()
     }
 
     pub fn waiting_until(&self) -> Option<Instant> {
@@ -1562,6 +1563,11 @@ mod tests {
         assert!(!s.wait_stands(ms(6100)), "b began to wait on a, who is due");
         assert_eq!(s.evict_stalled(ms(6100)), (vec![], false));
         assert!(s.wait_stands(ms(6100)), "a is late, and no longer overdue");
+        assert_eq!(
+            s.next_stall(ms(6100)),
+            Some(ms(8500)),
+            "the deadline task's time"
+        );
         // a goes once b waited half of a's stall timeout.
         trained(&a, ms(8499), 8499, 0);
         assert_eq!(s.evict_stalled(ms(8499)), (vec![], false));
