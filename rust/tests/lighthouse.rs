@@ -339,6 +339,57 @@ async fn three_groups_get_the_same_sorted_quorum_and_keep_its_id_next_round() {
     }
 }
 
+/// Most joins of a round leave a member late and skip the engine: the wait must still
+/// name who is missing now, and the last member to ask must end it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_names_its_late_members_while_it_waits_and_ends_when_the_last_one_asks() {
+    let join_timeout = Duration::from_secs(3);
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        join_timeout,
+        ..options(12)
+    })
+    .await
+    .expect("lighthouse starts");
+    let client = client(lighthouse.local_addr());
+    let names: Vec<String> = (0..12).map(|i| format!("group-{i:02}")).collect();
+    let first = answers(
+        names
+            .iter()
+            .map(|n| ask(&client, member(n, 0), 0))
+            .collect(),
+    )
+    .await;
+    let id = first[0].quorum_id;
+
+    let (late, early): (Vec<&String>, Vec<&String>) = names
+        .iter()
+        .partition(|n| ["group-03", "group-10"].contains(&n.as_str()));
+    let started = Instant::now();
+    let mut waiting: Vec<_> = early
+        .iter()
+        .map(|n| ask(&client, member(n, 1), id))
+        .collect();
+    eventually("ten requests waiting", PATIENCE, || async {
+        let status = status_rpc(&client).await;
+        status.replicas.iter().filter(|r| r.joined).count() == early.len()
+    })
+    .await;
+    assert_eq!(
+        status_rpc(&client).await.waiting_for,
+        "waiting up to the join timeout for live members of the previous quorum: \
+         group-03, group-10"
+    );
+    waiting.extend(late.iter().map(|n| ask(&client, member(n, 1), id)));
+    for quorum in answers(waiting).await {
+        assert_eq!(quorum.quorum_id, id);
+        assert_eq!(quorum.participants.len(), names.len());
+    }
+    assert!(
+        started.elapsed() < join_timeout,
+        "the last member's request must issue the quorum, not the join timeout"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_group_is_evicted_and_its_peers_are_told_within_half_a_second() {
     let (_lighthouse, addr) = start(3).await;

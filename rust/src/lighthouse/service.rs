@@ -119,6 +119,22 @@ impl Shared {
         self.metrics.live_replicas.set(st.live_replicas() as i64);
         self.schedule(st, st.waiting_until());
         self.schedule(st, Some(now + st.heartbeat_timeout()));
+        // A request that just began to wait on a stalled member may have brought its
+        // eviction forward, and a new quorum may have left a stalled group out. (Not
+        // every group's expiry: that stays the deadline task's, as before.)
+        self.schedule(st, st.next_stall(now));
+    }
+
+    /// After a quorum request joined: runs the engine, unless the request cannot end
+    /// the engine's wait (see `LighthouseState::wait_stands`); then only the
+    /// requester's liveness, which the request renewed or began, needs a deadline.
+    fn joined(&self, st: &mut LighthouseState, now: Instant) {
+        if st.wait_stands(now) {
+            self.metrics.live_replicas.set(st.live_replicas() as i64);
+            self.schedule(st, Some(now + st.heartbeat_timeout()));
+        } else {
+            self.evaluate(st, now);
+        }
     }
 
     fn schedule(&self, st: &mut LighthouseState, at: Option<Instant>) {
@@ -239,7 +255,7 @@ impl Lighthouse for LighthouseService {
                 Refusal::DuplicateReplica,
                 st.join(member.into(), req.last_quorum_id, now, reply_tx),
             )?;
-            self.shared.evaluate(&mut st, now);
+            self.shared.joined(&mut st, now);
             ticket
         };
         let mut guard = LeaveOnDrop {
@@ -258,7 +274,11 @@ impl Lighthouse for LighthouseService {
                 Err(Status::unavailable("the lighthouse is shutting down"))
             }
             Err(_) => {
-                let reason = self.shared.lock().waiting_reason().to_string();
+                let reason = self
+                    .shared
+                    .lock()
+                    .waiting_reason(Instant::now())
+                    .to_string();
                 Err(Status::deadline_exceeded(format!(
                     "no quorum within {:.3} s: {reason}",
                     timeout.as_secs_f64()

@@ -148,6 +148,24 @@ impl StepSamples {
     }
 }
 
+/// The two earliest waits among a quorum's members: the earliest with the index of
+/// its member, and the next (see `LighthouseState::earliest_waits`).
+#[derive(Default)]
+struct EarliestWaits {
+    first: Option<(Instant, usize)>,
+    second: Option<Instant>,
+}
+
+impl EarliestWaits {
+    /// The earliest wait of a member other than member `k`.
+    fn of_others(&self, k: usize) -> Option<Instant> {
+        match self.first {
+            Some((_, who)) if who == k => self.second,
+            first => first.map(|(since, _)| since),
+        }
+    }
+}
+
 /// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
 pub type QuorumReply = Result<Bytes, Status>;
 
@@ -211,6 +229,21 @@ pub struct LighthouseState {
     quorums_issued: u64,
     next_ticket: u64,
     waiting: (WaitReason, Option<Instant>),
+    /// A join that left the wait standing skipped the engine (see `wait_stands`): the
+    /// reason's list of missing groups is out of date and is worked out when read.
+    waiting_stale: bool,
+    /// Where `wait_stands` looks for a late member of the current quorum: the members
+    /// before it were found asking (or dead) since the engine last looked, and stay
+    /// so until it looks again, so each join moves it on instead of starting over.
+    late_cursor: usize,
+    /// Something other than a join changed who asks or who lives since the engine
+    /// last looked (a request left, a group was evicted or opened a stream): the next
+    /// join runs the engine.
+    engine_due: bool,
+    /// A member of the current quorum is due as stalled and no peer waits on it yet
+    /// (see `evict_stalled`): the next request to join makes a peer wait, so it runs
+    /// the stall check.
+    stall_overdue: bool,
     /// Groups declared dead recently, oldest first.
     lost: VecDeque<Lost>,
     /// When some group last committed a step, or when the lighthouse started.
@@ -258,6 +291,10 @@ impl LighthouseState {
             quorums_issued: 0,
             next_ticket: 0,
             waiting: (WaitReason::NoJoiners, None),
+            waiting_stale: false,
+            late_cursor: 0,
+            engine_due: false,
+            stall_overdue: false,
             lost: VecDeque::new(),
             last_commit: epoch,
             ticker_deadline: None,
@@ -327,6 +364,7 @@ impl LighthouseState {
         {
             self.pending.remove(replica_id);
             self.joiners.remove(replica_id);
+            self.engine_due = true;
         }
     }
 
@@ -427,6 +465,7 @@ impl LighthouseState {
         // A fresh pulse: a stale stream of the same group, should it wake up, beats
         // into its own retired one and ends. A group known so far only from its quorum
         // requests keeps the quorum it is a member of.
+        self.engine_due = true;
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
         let (history, steps, last_commit) = match self.replicas.remove(id) {
@@ -506,6 +545,7 @@ impl LighthouseState {
     fn evict(&mut self, replica_id: &str, cause: Eviction, now: Instant) {
         // A group evicted as stalled still reads its stream: it is told, so that its
         // ranks dump what they were doing and exit to be restarted.
+        self.engine_due = true;
         let mut own = None;
         if let Some(r) = self.replicas.remove(replica_id) {
             r.pulse.retire();
@@ -560,26 +600,50 @@ impl LighthouseState {
         joined.into_iter().chain(training).min()
     }
 
-    /// When member `id` of `quorum` is due as stalled (it made no progress for its
-    /// stall timeout) and when it is to be evicted: once due, and once a peer has
-    /// waited for half the timeout. A shorter wait is no sign of a hang (a peer's vote
-    /// waiting for its lease while this group, done with its steps, idles); a hang
-    /// keeps its peers waiting from about when it began, so the half is over before
-    /// the timeout. Neither for a group that does not report its progress, or that
-    /// asks for a quorum itself (every one of its ranks got that far); no eviction
-    /// time while no peer waits.
-    fn stall_due(&self, quorum: &Quorum, id: &str) -> (Option<Instant>, Option<Instant>) {
-        if self.joiners.contains_key(id) {
-            return (None, None);
+    /// The earliest waits among the members of `quorum` (see `waiting_since`), found
+    /// in one pass: each member's stall is judged by the earliest wait of the others,
+    /// and with the two earliest at hand that takes no second pass over them.
+    fn earliest_waits(&self, quorum: &Quorum) -> EarliestWaits {
+        let mut waits = EarliestWaits::default();
+        for (k, id) in quorum.replica_ids().enumerate() {
+            let Some(since) = self.waiting_since(id) else {
+                continue;
+            };
+            match waits.first {
+                Some((first, _)) if first <= since => {
+                    waits.second = Some(waits.second.map_or(since, |s| s.min(since)));
+                }
+                _ => {
+                    waits.second = waits.first.map(|(first, _)| first);
+                    waits.first = Some((since, k));
+                }
+            }
         }
+        waits
+    }
+
+    /// When member `k` (`id`) of the current quorum is due as stalled (it made no
+    /// progress for its stall timeout) and when it is to be evicted: once due, and
+    /// once a peer has waited for half the timeout (`waits`, see `earliest_waits`).
+    /// A shorter wait is no sign of a hang (a peer's vote waiting for its lease while
+    /// this group, done with its steps, idles); a hang keeps its peers waiting from
+    /// about when it began, so the half is over before the timeout. Neither for a
+    /// group that does not report its progress, or that asks for a quorum itself
+    /// (every one of its ranks got that far); no eviction time while no peer waits.
+    fn stall_due(
+        &self,
+        k: usize,
+        id: &str,
+        waits: &EarliestWaits,
+    ) -> (Option<Instant>, Option<Instant>) {
         let Some(training) = self.training(id) else {
             return (None, None);
         };
-        let evict_at = quorum
-            .replica_ids()
-            .filter(|peer| *peer != id)
-            .filter_map(|peer| self.waiting_since(peer))
-            .min()
+        if self.joiners.contains_key(id) {
+            return (None, None);
+        }
+        let evict_at = waits
+            .of_others(k)
             .map(|since| (since + training.stall_timeout / 2).max(training.due()));
         (Some(training.due()), evict_at)
     }
@@ -614,8 +678,9 @@ impl LighthouseState {
             .cloned()
             .collect();
         if let Some(quorum) = &self.previous {
-            for id in quorum.replica_ids() {
-                match self.stall_due(quorum, id) {
+            let waits = self.earliest_waits(quorum);
+            for (k, id) in quorum.replica_ids().enumerate() {
+                match self.stall_due(k, id, &waits) {
                     (_, Some(at)) if at <= now => stalled.push(id.to_string()),
                     (Some(due), None) if due <= now => overdue = true,
                     _ => {}
@@ -630,6 +695,7 @@ impl LighthouseState {
             );
             self.evict(id, Eviction::ProgressStalled, now);
         }
+        self.stall_overdue = overdue;
         (stalled, overdue)
     }
 
@@ -683,6 +749,7 @@ impl LighthouseState {
     /// stream now, so that groups re-connect (to a successor) instead of staying
     /// attached to a server that is gone.
     pub fn shut_down(&mut self) {
+        self.engine_due = true;
         let gone = || Status::unavailable("the lighthouse is shutting down");
         for (_, p) in self.pending.drain() {
             let _ = p.reply.send(Err(gone()));
@@ -713,7 +780,7 @@ impl LighthouseState {
         }
         self.previous = None;
         self.previous_at = None;
-        self.waiting = (WaitReason::NoJoiners, None);
+        self.set_waiting(WaitReason::NoJoiners, None);
     }
 
     /// The next quorum id is above `floor` (a new leader's term, see
@@ -742,7 +809,7 @@ impl LighthouseState {
     pub fn evaluate(&mut self, now: Instant, unix_ms: i64) -> Option<Issued> {
         let quorum = match self.decide(now) {
             Decision::Wait { until, reason } => {
-                self.waiting = (reason, until);
+                self.set_waiting(reason, until);
                 return None;
             }
             Decision::Issue(q) => q,
@@ -795,42 +862,105 @@ impl LighthouseState {
         for j in self.joiners.values_mut() {
             j.joined_at = now;
         }
-        self.waiting = match self.decide(now) {
+        let (reason, until) = match self.decide(now) {
             Decision::Wait { until, reason } => (reason, until),
             Decision::Issue(_) => (WaitReason::NoJoiners, Some(now)),
         };
+        self.set_waiting(reason, until);
         Some(issued)
     }
 
-    /// When the background task must look again: the engine's deadline or the next
-    /// heartbeat expiry, whichever is first.
+    fn set_waiting(&mut self, reason: WaitReason, until: Option<Instant>) {
+        self.waiting = (reason, until);
+        self.waiting_stale = false;
+        self.late_cursor = 0;
+        self.engine_due = false;
+    }
+
+    /// Whether the engine's last decision, to wait until its deadline for live
+    /// members of the current quorum that have not asked again, still stands after a
+    /// join: then the join need not run the engine (nor the stall check), which would
+    /// cost every round time proportional to the square of its groups.
+    ///
+    /// It stands while some member is still late (live, not asking), the wait's
+    /// deadline is ahead, and nothing that time changes (a heartbeat expiry, a stall,
+    /// the engine's deadline) is due before the deadline task has acted on it, which
+    /// `ticker_deadline` tells: a join adds a live joiner, never a late member or an
+    /// earlier first request, so the engine would wait too, until the same deadline
+    /// or a later one (a re-request moves the round's first request later; the
+    /// deadline task then finds the wait longer). Nor can a join make a stalled
+    /// member due for eviction at once: its wait starts now, and a stall is evicted
+    /// only once a peer waited half the stall timeout; but a member due already and
+    /// waited on by nobody yet gets its eviction time from this join, so then the
+    /// stall check runs (and the deadline task is set for that time).
+    pub fn wait_stands(&mut self, now: Instant) -> bool {
+        let (WaitReason::LateMembers { .. }, Some(until)) = &self.waiting else {
+            return false;
+        };
+        if self.engine_due
+            || self.stall_overdue
+            || now >= *until
+            || self.ticker_deadline.is_none_or(|at| now >= at)
+        {
+            return false;
+        }
+        let Some(quorum) = &self.previous else {
+            return false;
+        };
+        let horizon = now.checked_sub(self.heartbeat_timeout);
+        let live = Fresh {
+            replicas: &self.replicas,
+            horizon,
+        };
+        let late = quorum.members[self.late_cursor.min(quorum.members.len())..]
+            .iter()
+            .position(|m| !self.joiners.contains_key(&m.replica_id) && live.is_live(&m.replica_id));
+        match late {
+            Some(at) => {
+                self.late_cursor += at;
+                self.waiting_stale = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// When the background task must look again: the engine's deadline, the next
+    /// heartbeat expiry or the next stall, whichever is first.
     pub fn next_wakeup(&self, now: Instant) -> Option<Instant> {
         let expiry = self
             .replicas
             .values()
             .map(|r| r.pulse.last_beat() + self.heartbeat_timeout)
             .min();
-        // A stall due later; one due already waits for a peer to wait (see
-        // `evict_stalled`), which wakes the task itself.
-        let stall = self
-            .previous
-            .iter()
-            .flat_map(|q| q.replica_ids().map(move |id| (q, id)))
-            .flat_map(|(q, id)| {
-                let (due, evict_at) = self.stall_due(q, id);
-                [due, evict_at].into_iter().flatten().filter(|at| *at > now)
-            })
-            .chain(
-                self.replicas
-                    .keys()
-                    .filter_map(|id| self.dropped_due(id))
-                    .filter(|at| *at > now),
-            );
-        [self.waiting.1, expiry]
+        [self.waiting.1, expiry, self.next_stall(now)]
             .into_iter()
             .flatten()
-            .chain(stall)
             .min()
+    }
+
+    /// When a member of the current quorum is next due as stalled, or due for
+    /// eviction, or a group that dropped out of it is (see `evict_stalled`): a member
+    /// due already waits for a peer to wait, which wakes the deadline task itself.
+    pub fn next_stall(&self, now: Instant) -> Option<Instant> {
+        let members = self.previous.as_ref().and_then(|quorum| {
+            let waits = self.earliest_waits(quorum);
+            quorum
+                .replica_ids()
+                .enumerate()
+                .flat_map(|(k, id)| {
+                    let (due, evict_at) = self.stall_due(k, id, &waits);
+                    [due, evict_at].into_iter().flatten().filter(|at| *at > now)
+                })
+                .min()
+        });
+        let dropped = self
+            .replicas
+            .keys()
+            .filter_map(|id| self.dropped_due(id))
+            .filter(|at| *at > now)
+            .min();
+        [members, dropped].into_iter().flatten().min()
     }
 
     pub fn waiting_until(&self) -> Option<Instant> {
@@ -841,8 +971,15 @@ impl LighthouseState {
         self.heartbeat_timeout
     }
 
-    pub fn waiting_reason(&self) -> &WaitReason {
-        &self.waiting.0
+    /// Why no quorum is issued yet, as of `now`.
+    pub fn waiting_reason(&self, now: Instant) -> WaitReason {
+        if !self.waiting_stale {
+            return self.waiting.0.clone();
+        }
+        match self.decide(now) {
+            Decision::Wait { reason, .. } => reason,
+            Decision::Issue(_) => self.waiting.0.clone(),
+        }
     }
 
     pub fn live_replicas(&self) -> usize {
@@ -908,7 +1045,7 @@ impl LighthouseState {
             waiting_for: if self.joiners.is_empty() {
                 String::new()
             } else {
-                self.waiting.0.to_string()
+                self.waiting_reason(now).to_string()
             },
             quorums_issued: self.quorums_issued,
             min_replicas: self.config.min_replicas as u32,
@@ -1245,7 +1382,7 @@ mod tests {
         assert!(
             issued.is_some(),
             "a quorum of a and c: {}",
-            s.waiting_reason()
+            s.waiting_reason(ms(2500))
         );
         assert!(c.beat(ms(3000), 5, 1));
         trained(&c, ms(3000), 0, 0);
@@ -1301,6 +1438,201 @@ mod tests {
             "fast steps need 100 ms more"
         );
         assert!(!straggler(&[d(900)], 0), "alone, nobody is slower");
+    }
+
+    /// A small deterministic generator: the scenarios below vary without a seed to chase.
+    struct Lcg(u64);
+
+    impl Lcg {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (self.0 >> 33) % n
+        }
+    }
+
+    /// The engine's own answer at `now`, for comparison with what the state kept.
+    fn engine_waits(s: &LighthouseState, now: Instant) -> (WaitReason, Option<Instant>) {
+        match s.decide(now) {
+            Decision::Wait { reason, until } => (reason, until),
+            Decision::Issue(q) => panic!("the engine would issue quorum {} now", q.id),
+        }
+    }
+
+    #[test]
+    fn a_join_skips_the_engine_only_while_its_wait_for_a_late_member_stands() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut rng = Lcg(7);
+        for round in 0..20 {
+            let mut s = state();
+            let n = 2 + rng.below(12) as usize;
+            let ids: Vec<String> = (0..n).map(|i| format!("g{i:02}")).collect();
+            let names: Vec<&str> = ids.iter().map(String::as_str).collect();
+            form_quorum(&mut s, &names, t);
+            // The deadline task sleeps until the heartbeat expiry.
+            s.ticker_deadline = Some(ms(2000));
+            let mut order = ids.clone();
+            for i in (1..n).rev() {
+                order.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let mut replies = Vec::new();
+            for (k, id) in order.iter().enumerate() {
+                let now = ms(100 + 10 * k as u64);
+                let (tx, rx) = oneshot::channel();
+                s.join(member(id), 1, now, tx).unwrap();
+                replies.push(rx);
+                let last = k + 1 == n;
+                if s.wait_stands(now) {
+                    assert!(!last, "round {round}: nobody is late once all asked");
+                    // The engine would wait as well, for the same members, no sooner.
+                    let (reason, until) = engine_waits(&s, now);
+                    assert!(matches!(reason, WaitReason::LateMembers { .. }));
+                    assert!(until >= s.waiting_until(), "round {round}");
+                    assert_eq!(s.waiting_reason(now), reason, "round {round}");
+                    let WaitReason::LateMembers { missing } = reason else {
+                        unreachable!()
+                    };
+                    assert_eq!(missing.count, n - k - 1, "round {round}");
+                } else {
+                    assert!(
+                        k == 0 || last,
+                        "round {round}: join {k} of {n} ran the engine"
+                    );
+                    let issued = s.evaluate(now, 0);
+                    assert_eq!(issued.is_some(), last, "round {round}, join {k}");
+                }
+            }
+            for mut reply in replies {
+                assert_eq!(decoded(reply.try_recv().unwrap()).participants.len(), n);
+            }
+        }
+    }
+
+    #[test]
+    fn a_join_runs_the_engine_when_a_deadline_is_due_or_a_member_left() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        form_quorum(&mut s, &["a", "b", "c"], t);
+        s.ticker_deadline = Some(ms(2000));
+        join_at_step(&mut s, "a", 0, ms(100));
+        assert!(!s.wait_stands(ms(100)), "the engine has not looked yet");
+        assert!(s.evaluate(ms(100), 0).is_none());
+        // A heartbeat expiry is due and the deadline task has not acted on it yet.
+        s.ticker_deadline = Some(ms(150));
+        join_at_step(&mut s, "b", 0, ms(200));
+        assert!(!s.wait_stands(ms(200)));
+        s.ticker_deadline = Some(ms(2000));
+        assert!(s.wait_stands(ms(200)));
+        // Past the engine's deadline, the engine decides (to issue without c).
+        assert!(!s.wait_stands(ms(1100)));
+        // A late member that leaves its request ends what the skipped joins relied on.
+        let (tx, _rx) = oneshot::channel();
+        let ticket = s.join(member("c"), 1, ms(300), tx).unwrap();
+        s.leave("c", ticket);
+        assert!(!s.wait_stands(ms(300)), "c left: the engine must look");
+        let (reason, _) = engine_waits(&s, ms(300));
+        assert_eq!(
+            s.evaluate(ms(300), 0).map(|q| q.quorum_id),
+            None,
+            "{reason}"
+        );
+        assert!(s.wait_stands(ms(300)), "c is late again");
+    }
+
+    #[test]
+    fn a_join_runs_the_stall_check_while_a_stalled_member_waits_for_a_waiting_peer() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let ((_, a), _ea) = open(&mut s, "a", t);
+        let ((_, b), _eb) = open(&mut s, "b", t);
+        let ((_, c), _ec) = open(&mut s, "c", t);
+        form_quorum(&mut s, &["a", "b", "c"], t);
+        s.ticker_deadline = Some(ms(7000));
+        trained(&a, ms(6000), 6000, 0);
+        trained(&b, ms(6000), 0, 0);
+        assert!(c.beat(ms(6000), 0, 0));
+        assert_eq!(s.evict_stalled(ms(6000)), (vec![], true), "a is due");
+        join_at_step(&mut s, "b", 0, ms(6000));
+        assert!(s.evaluate(ms(6000), 0).is_none(), "a and c are late");
+        join_at_step(&mut s, "c", 0, ms(6100));
+        assert!(!s.wait_stands(ms(6100)), "b began to wait on a, who is due");
+        assert_eq!(s.evict_stalled(ms(6100)), (vec![], false));
+        assert!(s.wait_stands(ms(6100)), "a is late, and no longer overdue");
+        assert_eq!(
+            s.next_stall(ms(6100)),
+            Some(ms(8500)),
+            "the deadline task's time"
+        );
+        // a goes once b waited half of a's stall timeout.
+        trained(&a, ms(8499), 8499, 0);
+        assert_eq!(s.evict_stalled(ms(8499)), (vec![], false));
+        assert_eq!(s.evict_stalled(ms(8500)).0, ["a".to_string()]);
+    }
+
+    /// Member `k`'s stall times as the lighthouse computed them before `earliest_waits`:
+    /// every peer's wait looked up again for each member.
+    fn stall_due_by_every_peer(
+        s: &LighthouseState,
+        k: usize,
+    ) -> (Option<Instant>, Option<Instant>) {
+        let quorum = s.previous.as_ref().unwrap();
+        let id = &quorum.members[k].replica_id;
+        if s.joiners.contains_key(id) {
+            return (None, None);
+        }
+        let Some(training) = s.training(id) else {
+            return (None, None);
+        };
+        let evict_at = quorum
+            .replica_ids()
+            .filter(|peer| *peer != id.as_str())
+            .filter_map(|peer| s.waiting_since(peer))
+            .min()
+            .map(|since| (since + training.stall_timeout / 2).max(training.due()));
+        (Some(training.due()), evict_at)
+    }
+
+    #[test]
+    fn a_stall_is_judged_by_the_earliest_wait_of_the_other_members() {
+        let t = Instant::now();
+        let mut rng = Lcg(11);
+        for round in 0..50 {
+            let mut s = state();
+            let n = 1 + rng.below(6) as usize;
+            let ids: Vec<String> = (0..n).map(|i| format!("g{i}")).collect();
+            let mut pulses = Vec::new();
+            let mut events = Vec::new();
+            for id in &ids {
+                let ((_, pulse), rx) = open(&mut s, id, t);
+                pulses.push(pulse);
+                events.push(rx);
+            }
+            let names: Vec<&str> = ids.iter().map(String::as_str).collect();
+            form_quorum(&mut s, &names, t);
+            let now = t + Duration::from_millis(10_000);
+            for (pulse, id) in pulses.iter().zip(&ids) {
+                match rng.below(4) {
+                    0 => {} // reports no training
+                    1 => join_at_step(&mut s, id, 0, now - Duration::from_millis(rng.below(3000))),
+                    // Waits since the same instant as another, sometimes.
+                    _ => trained(pulse, now, rng.below(9000), 1000 * rng.below(4)),
+                }
+            }
+            let quorum = s.previous.clone().unwrap();
+            let waits = s.earliest_waits(&quorum);
+            for (k, id) in quorum.replica_ids().enumerate() {
+                assert_eq!(
+                    s.stall_due(k, id, &waits),
+                    stall_due_by_every_peer(&s, k),
+                    "round {round}, member {id}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -1423,7 +1755,7 @@ mod tests {
         s.leave("a", ticket);
         assert!(s.snapshot(t).replicas.iter().all(|r| !r.joined));
         assert!(s.evaluate(t, 0).is_none());
-        assert_eq!(s.waiting_reason(), &WaitReason::NoJoiners);
+        assert_eq!(s.waiting_reason(t), WaitReason::NoJoiners);
     }
 
     fn join_at_step(s: &mut LighthouseState, id: &str, step: i64, now: Instant) {
