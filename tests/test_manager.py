@@ -244,3 +244,15 @@ def test_an_in_process_client_of_a_stopped_server_is_refused(lighthouse):
     server.shutdown()
     with pytest.raises(ConnectionError, match="shutting down"):
         rank.should_commit(0, 0, True, timeout=1.0)
+
+
+def test_the_eviction_exit_refuses_a_status_or_signal_out_of_range(group):
+    rank0, _ = group
+    for status, signal in [(256, 0), (-1, 0), (75, -1), (75, 10_000)]:
+        with pytest.raises(ValueError, match="out of range"):
+            rank0.arm_eviction_exit("g", grace=5.0, status=status, dump_signal=signal)
+    for grace in [-1.0, float("nan")]:
+        with pytest.raises(ValueError, match="grace"):
+            rank0.arm_eviction_exit("g", grace=grace, status=75)
+    rank0.arm_eviction_exit("g", grace=5.0, status=75)
+    rank0.disarm_eviction_exit()

@@ -95,63 +95,33 @@ def restart_and_heal(
     return c
 
 
-@pytest.mark.slow
-def test_a_training_thread_hung_mid_step_is_evicted_restarted_and_heals(spawn, lighthouse):
-    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
-    c = start_rank(spawn, lighthouse.address, "c", "--hold-at", "6", *WITH_ALL_THREE, *TRAIN_ON)
-    c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
-    held_at = time.time()
-    survivors_go_on([a, b], held_at)
-    evicted_with_evidence(c, held_at)
-    lost_as_stalled(lighthouse.address, "c")
-    restart_and_heal(spawn, lighthouse.address, [a, b, c], [a, b])
+#: How c's training thread hangs: where, and which part of the rank ends it.
+HANGS = {
+    # Its peers' all-reduce waits for its part; its membership thread ends it.
+    "mid_step": ((), 0.0, "training made no progress"),
+    # Nobody waits on it: the next quorum goes on without it after the join timeout.
+    # It is hung all the same, so it is evicted and restarted.
+    "after_its_vote": (("--hold-after-vote",), 0.0, "training made no progress"),
+    # No Python thread of c runs, not its progress reporter nor its membership
+    # thread: the core ends it once it still lives FROZEN_GRACE_S after its eviction.
+    "holding_the_gil": (("--hold-gil",), FROZEN_GRACE_S, "a thread holds the GIL"),
+}
 
 
 @pytest.mark.slow
-def test_a_thread_that_holds_the_gil_forever_is_evicted_and_its_process_ended(spawn, lighthouse):
-    # No Python thread of c runs: not its progress reporter, not its membership
-    # thread. The core ends it once it still lives FROZEN_GRACE_S after its eviction.
+@pytest.mark.parametrize("hang", HANGS)
+def test_a_hung_training_thread_is_evicted_restarted_and_heals(spawn, lighthouse, hang):
+    options, grace, told = HANGS[hang]
     a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
     b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
     c = start_rank(
-        spawn,
-        lighthouse.address,
-        "c",
-        "--hold-at",
-        "6",
-        "--hold-gil",
-        *WITH_ALL_THREE,
-        *TRAIN_ON,
+        spawn, lighthouse.address, "c", "--hold-at", "6", *options, *WITH_ALL_THREE, *TRAIN_ON
     )
     c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
     held_at = time.time()
     survivors_go_on([a, b], held_at)
-    evicted_with_evidence(c, held_at, grace=FROZEN_GRACE_S)
-    assert "a thread holds the GIL" in "\n".join(c.stderr)
-    restart_and_heal(spawn, lighthouse.address, [a, b, c], [a, b])
-
-
-@pytest.mark.slow
-def test_a_training_thread_hung_after_its_vote_is_evicted_restarted_and_heals(spawn, lighthouse):
-    # Nobody waits on c here: the next quorum goes on without it after the join
-    # timeout. It is hung all the same, so it is evicted and restarted.
-    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
-    c = start_rank(
-        spawn,
-        lighthouse.address,
-        "c",
-        "--hold-at",
-        "6",
-        "--hold-after-vote",
-        *WITH_ALL_THREE,
-        *TRAIN_ON,
-    )
-    c.expect(lambda line: line.get("event") == "holding", 60, "c's training thread holds")
-    held_at = time.time()
-    survivors_go_on([a, b], held_at)
-    evicted_with_evidence(c, held_at)
+    evicted_with_evidence(c, held_at, grace=grace)
+    assert told in "\n".join(c.stderr)
     lost_as_stalled(lighthouse.address, "c")
     restart_and_heal(spawn, lighthouse.address, [a, b, c], [a, b])
 
