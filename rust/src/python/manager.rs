@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::eviction;
 use super::runtime::{connect, control, wait};
-use super::types::{CommitDecision, MembershipLost, QuorumResult, RecoverySource};
+use super::types::{CommitDecision, MembershipLost, QuorumResult};
 use super::{seconds, seconds_or_zero, stop, unsigned, Server};
 use crate::auth::JobToken;
 use crate::client;
@@ -120,27 +120,7 @@ impl PendingQuorum {
                 )))
             })
         })?;
-        Ok(QuorumResult {
-            quorum_id: r.quorum_id,
-            replica_rank: r.replica_rank,
-            replica_world_size: r.replica_world_size,
-            participants: r.participants.into_iter().map(Into::into).collect(),
-            max_step: r.max_step,
-            max_state_quorum_id: r.max_state_quorum_id,
-            heal: r.heal,
-            recovery_sources: r
-                .recovery_sources
-                .into_iter()
-                .map(|s| RecoverySource {
-                    replica_id: s.replica_id,
-                    state_address: s.state_address,
-                })
-                .collect(),
-            contributors: r.contributors,
-            serves_healers: r.serves_healers,
-            store_address: r.store_address,
-            store_prefix: r.store_prefix,
-        })
+        Ok(r.into())
     }
 }
 

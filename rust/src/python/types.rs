@@ -83,6 +83,32 @@ pub struct QuorumResult {
     pub(super) store_prefix: String,
 }
 
+impl From<proto::ManagerQuorumResponse> for QuorumResult {
+    fn from(r: proto::ManagerQuorumResponse) -> Self {
+        QuorumResult {
+            quorum_id: r.quorum_id,
+            replica_rank: r.replica_rank,
+            replica_world_size: r.replica_world_size,
+            participants: r.participants.into_iter().map(Into::into).collect(),
+            max_step: r.max_step,
+            max_state_quorum_id: r.max_state_quorum_id,
+            heal: r.heal,
+            recovery_sources: r
+                .recovery_sources
+                .into_iter()
+                .map(|s| RecoverySource {
+                    replica_id: s.replica_id,
+                    state_address: s.state_address,
+                })
+                .collect(),
+            contributors: r.contributors,
+            serves_healers: r.serves_healers,
+            store_address: r.store_address,
+            store_prefix: r.store_prefix,
+        }
+    }
+}
+
 /// A group's decision on a step.
 #[pyclass(module = "phalanx._core", frozen, get_all)]
 #[derive(Clone, Debug)]
