@@ -11,7 +11,7 @@ import pytest
 
 import phalanx
 
-from conftest import HEARTBEAT_INTERVAL
+from conftest import HEARTBEAT_INTERVAL, wait_until
 
 
 def together(*calls: Callable[[], object]) -> list[object]:
@@ -256,3 +256,20 @@ def test_the_eviction_exit_refuses_a_status_or_signal_out_of_range(group):
             rank0.arm_eviction_exit("g", grace=grace, status=75)
     rank0.arm_eviction_exit("g", grace=5.0, status=75)
     rank0.disarm_eviction_exit()
+
+
+def test_a_stopping_server_answers_its_waiting_ranks_at_once(lighthouse):
+    # Rank 2 never asks: ranks 0 (in-process) and 1 (over the network) wait on it.
+    server = phalanx.ManagerServer("g", lighthouse.address, world_size=3)
+    ranks = [
+        phalanx.ManagerClient(server.address, server=server),
+        phalanx.ManagerClient(server.address),
+    ]
+    asked = [rank.start_quorum(r, 0, timeout=30.0) for r, rank in enumerate(ranks)]
+    wait_until(lambda: server.asking == (0, [0, 1]), 10.0, "ranks 0 and 1 wait")
+    started = time.monotonic()
+    server.shutdown()
+    for pending in asked:
+        with pytest.raises(ConnectionError, match="shutting down"):
+            pending.result()
+    assert time.monotonic() - started < 10.0, "answered at once, not at the 30 s deadline"

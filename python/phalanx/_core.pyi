@@ -288,6 +288,10 @@ class ManagerServer:
     def address(self) -> str:
         """host:port that the group's ranks and its peers use."""
     @property
+    def asking(self) -> tuple[int, list[int]] | None:
+        """The step the group's ranks are gathering for and the group ranks that asked
+        for its quorum so far; None when no rank waits for a quorum."""
+    @property
     def refused_requests(self) -> dict[str, int]:
         """The group's requests and connections turned away so far (this server's and
         what its ranks' state servers reported), by reason: `token` (missing or

@@ -134,7 +134,7 @@ async fn answer<T>(what: &str, task: Answer<T>) -> Result<T, Error> {
 /// Waits until the manager server has gathered exactly `ranks` for `step`.
 async fn asked(group: &ManagerHandle, step: i64, ranks: &[u32]) {
     let gathered = async {
-        while group.asking() != Some((step, ranks.to_vec())) {
+        while group.local.asking() != Some((step, ranks.to_vec())) {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
     };

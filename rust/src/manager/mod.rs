@@ -11,6 +11,7 @@ mod heartbeat;
 pub mod plan;
 pub mod progress;
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -192,6 +193,21 @@ struct ManagerService {
     shutdown: watch::Receiver<bool>,
 }
 
+impl ManagerService {
+    /// `wait`, unless the server stops first: a stopping server answers the ranks
+    /// waiting on it (for a quorum, for the group's vote) at once, instead of holding
+    /// them to their deadlines.
+    async fn unless_stopping<T>(&self, wait: impl Future<Output = T>) -> Result<T, Status> {
+        let mut stopping = self.shutdown.clone();
+        tokio::select! {
+            out = wait => Ok(out),
+            _ = stopping.wait_for(|s| *s) => {
+                Err(Status::unavailable("the manager server is shutting down"))
+            }
+        }
+    }
+}
+
 /// The manager server as the ranks of its own process call it: the same service and
 /// checks, without the network in between (nor the job token: the process is its
 /// own). Rank 0 votes and asks for every quorum this way, so the happy path pays no
@@ -200,6 +216,12 @@ struct ManagerService {
 pub struct LocalManager(ManagerService);
 
 impl LocalManager {
+    /// The step the group's ranks are gathering for and the ranks that asked so far;
+    /// None when no rank waits for a quorum.
+    pub fn asking(&self) -> Option<(i64, Vec<u32>)> {
+        self.0.shared.lock().asking()
+    }
+
     fn serving(&self) -> Result<(), Status> {
         if *self.0.shutdown.borrow() {
             return Err(Status::unavailable("the manager server is shutting down"));
@@ -292,7 +314,10 @@ impl Manager for ManagerService {
         if let Some(gathering) = complete {
             tokio::spawn(shared.clone().ask_lighthouse(gathering, timeout));
         }
-        match tokio::time::timeout(timeout, answer).await {
+        match self
+            .unless_stopping(tokio::time::timeout(timeout, answer))
+            .await?
+        {
             Ok(Ok(result)) => result.map(Response::new),
             Ok(Err(_)) => Err(Status::unavailable("the manager server is shutting down")),
             Err(_) => Err(shared
@@ -338,10 +363,14 @@ impl Manager for ManagerService {
                 );
             }
             Voted::YesIfLeased { quorum } => {
-                shared.commit_if_leased(req.step, quorum, deadline).await;
+                self.unless_stopping(shared.commit_if_leased(req.step, quorum, deadline))
+                    .await?;
             }
         }
-        let decision = match tokio::time::timeout_at(deadline.into(), decision).await {
+        let decision = match self
+            .unless_stopping(tokio::time::timeout_at(deadline.into(), decision))
+            .await?
+        {
             Ok(Ok(decision)) => decision,
             Ok(Err(_)) => Decision {
                 commit: false,
@@ -441,15 +470,6 @@ pub struct ManagerHandle {
     pub refusals: Arc<GroupRefusals>,
     /// The server for the ranks of this process.
     pub local: LocalManager,
-    shared: Arc<Shared>,
-}
-
-impl ManagerHandle {
-    /// The step the group's ranks are gathering for and the ranks that asked so far;
-    /// None when no rank waits for a quorum.
-    pub fn asking(&self) -> Option<(i64, Vec<u32>)> {
-        self.shared.lock().asking()
-    }
 }
 
 /// Starts a group's manager server on the current tokio runtime.
@@ -525,7 +545,6 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         address: manager_address,
         refusals,
         local: LocalManager(service),
-        shared,
     })
 }
 

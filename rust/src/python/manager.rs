@@ -72,6 +72,13 @@ impl ManagerServer {
         Ok(Server::init(server))
     }
 
+    /// The step the group's ranks are gathering for and the group ranks that asked
+    /// for its quorum so far; None when no rank waits for a quorum.
+    #[getter]
+    fn asking(&self) -> Option<(i64, Vec<u32>)> {
+        self.local.asking()
+    }
+
     /// Requests and connections turned away so far, by reason.
     #[getter]
     fn refused_requests(&self) -> HashMap<&'static str, u64> {
