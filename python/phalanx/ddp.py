@@ -2,8 +2,8 @@
 gradients averaged over the current quorum.
 
 Gradients are gathered into buckets as backward produces them; each full bucket's
-all-reduce starts at once, overlapping the rest of the backward pass, and its result
-is copied back into the gradients before the optimizer steps.
+all-reduce starts at once, overlapping the rest of the backward pass, and each
+gradient becomes a view of its averaged bucket before the optimizer steps.
 """
 
 from __future__ import annotations
@@ -44,16 +44,19 @@ class _Bucket:
         manager.allreduce(flat, then=lambda t: self._scatter(t, ranks))
 
     def _scatter(self, flat: torch.Tensor, ranks: int) -> None:
+        """Each gradient becomes its slice of the averaged bucket: no copy back. The
+        bucket is this step's alone and its all-reduce is done, so nothing writes
+        into it later; a parameter of another dtype than the bucket takes a copy."""
         if ranks > 1:
             flat.div_(ranks)
         offset = 0
         for p in self.params:
             n = p.numel()
-            averaged = flat[offset : offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = averaged.clone()
+            averaged = flat[offset : offset + n].view(p.shape)
+            if averaged.dtype == p.dtype:
+                p.grad = averaged
             else:
-                p.grad.copy_(averaged)
+                p.grad = averaged.to(p.dtype)
             offset += n
 
 

@@ -1,0 +1,107 @@
+"""`phalanx.DistributedDataParallel` numerics: two groups (threads of this process,
+each with its own Manager, over a real lighthouse and gloo) against one process that
+averages the two groups' gradients by hand.
+
+The model's one bucket holds a parameter of another dtype (bf16) and one that gets
+no gradient, so the bucket is launched by the flush before the vote and cast back
+per parameter. The second step zeroes the gradients in place, so it accumulates into
+the first step's averaged bucket.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from test_diloco import in_groups, leave_together, manager_for
+
+from conftest import JOIN_TIMEOUT
+
+LR = 0.1
+STEPS = 2
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.scale = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        self.unused = nn.Linear(2, 2)
+        with torch.no_grad():
+            for p in self.body.parameters():
+                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale.float()
+
+
+INITIAL = Net()
+
+
+def batch(replica: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 31 + ord(replica))
+    x = torch.randn(16, 4, generator=g)
+    return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], dim=1)
+
+
+def loss(model: nn.Module, replica: str, step: int) -> torch.Tensor:
+    x, y = batch(replica, step)
+    return nn.functional.mse_loss(model(x), y)
+
+
+@pytest.fixture
+def lighthouse2():
+    """A lighthouse that waits for two groups, so that every quorum holds both."""
+    with phalanx.LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout=JOIN_TIMEOUT, heartbeat_timeout=2.0
+    ) as server:
+        yield server
+
+
+def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):
+    def group(name: str, barrier: threading.Barrier) -> list[torch.Tensor]:
+        # Every group starts from the same weights, so none heals at step 0 and
+        # both gradients count from the first step.
+        manager = manager_for(lighthouse2, name, init_sync=False)
+        try:
+            model = copy.deepcopy(INITIAL)
+            ddp = phalanx.DistributedDataParallel(model, manager)
+            optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=LR))
+            for step in range(STEPS):
+                optimizer.zero_grad(set_to_none=step == 0)
+                loss(ddp, name, step).backward()
+                assert optimizer.step(), f"step {step} did not commit"
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            leave_together(manager, barrier)
+
+    got_a, got_b = in_groups(group)
+
+    reference = copy.deepcopy(INITIAL)
+    for step in range(STEPS):
+        grads = []
+        for name in "ab":
+            reference.zero_grad()
+            loss(reference, name, step).backward()
+            grads.append(
+                [
+                    torch.zeros_like(p, dtype=torch.float) if p.grad is None else p.grad.float()
+                    for p in reference.parameters()
+                ]
+            )
+        assert not torch.equal(grads[0][0], grads[1][0]), "the groups saw the same data"
+        with torch.no_grad():
+            for p, ga, gb in zip(reference.parameters(), *grads, strict=True):
+                p -= (LR * (ga + gb) / 2).to(p.dtype)
+    for a, b, want in zip(got_a, got_b, reference.parameters(), strict=True):
+        assert torch.equal(a, b), "the groups' replicas differ"
+        assert a.dtype == want.dtype
+        tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(a, want.detach(), rtol=tol, atol=tol)
+    assert torch.equal(got_a[-2], INITIAL.unused.weight), "an unused parameter moved"
