@@ -188,6 +188,15 @@ class Child:
 
 
 @pytest.fixture
+def lighthouse2():
+    """A lighthouse that waits for two groups, so that every quorum holds both."""
+    with phalanx.LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout=JOIN_TIMEOUT, heartbeat_timeout=2.0
+    ) as server:
+        yield server
+
+
+@pytest.fixture
 def spawn() -> Iterator[Callable[..., Child]]:
     """Starts child processes; every one is killed and reaped when the test ends."""
     children: list[Child] = []

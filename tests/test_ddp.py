@@ -13,14 +13,11 @@ from __future__ import annotations
 import copy
 import threading
 
-import pytest
 import torch
 from torch import nn
 
 import phalanx
 from test_diloco import in_groups, leave_together, manager_for
-
-from conftest import JOIN_TIMEOUT
 
 LR = 0.1
 STEPS = 2
@@ -53,15 +50,6 @@ def batch(replica: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss(model: nn.Module, replica: str, step: int) -> torch.Tensor:
     x, y = batch(replica, step)
     return nn.functional.mse_loss(model(x), y)
-
-
-@pytest.fixture
-def lighthouse2():
-    """A lighthouse that waits for two groups, so that every quorum holds both."""
-    with phalanx.LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=2, join_timeout=JOIN_TIMEOUT, heartbeat_timeout=2.0
-    ) as server:
-        yield server
 
 
 def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):

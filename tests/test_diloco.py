@@ -44,19 +44,10 @@ from phalanx.quantize import (
     shared_scales,
 )
 
-from conftest import JOIN_TIMEOUT, PROCS, TESTS, Child
+from conftest import PROCS, TESTS, Child
 
 DILOCO_PROCESS = PROCS / "diloco_process.py"
 CORPUS = TESTS.parent / "python" / "phalanx" / "demo" / "corpus" / "genesis.txt"
-
-
-@pytest.fixture
-def lighthouse2():
-    """A lighthouse that waits for two groups, so that every quorum holds both."""
-    with phalanx.LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=2, join_timeout=JOIN_TIMEOUT, heartbeat_timeout=2.0
-    ) as server:
-        yield server
 
 
 def in_groups(
