@@ -65,6 +65,9 @@ def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):
                 optimizer.zero_grad(set_to_none=step == 0)
                 loss(ddp, name, step).backward()
                 assert optimizer.step(), f"step {step} did not commit"
+            # The fp32 gradients are views of the one averaged bucket, not copies.
+            fp32 = [p.grad for p in model.parameters() if p.dtype == torch.float32]
+            assert len({g.untyped_storage().data_ptr() for g in fp32}) == 1
             return [p.detach().clone() for p in model.parameters()]
         finally:
             leave_together(manager, barrier)

@@ -52,11 +52,8 @@ class _Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            averaged = flat[offset : offset + n].view(p.shape)
-            if averaged.dtype == p.dtype:
-                p.grad = averaged
-            else:
-                p.grad = averaged.to(p.dtype)
+            # `to` returns the view itself when the dtypes match.
+            p.grad = flat[offset : offset + n].view(p.shape).to(p.dtype)
             offset += n
 
 
