@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,35 @@ class Child:
             reader.join(timeout=5)
         self.proc.stdout.close()
         self.proc.stderr.close()
+
+
+# -- groups as threads of this process ------------------------------------------------
+
+
+def in_groups(
+    fn: Callable[[str, threading.Barrier], object], names: tuple[str, ...] = ("a", "b")
+) -> list:
+    """Runs `fn(replica_id, barrier)` for each group at once, each on its own thread;
+    `barrier` is for `leave_together`."""
+    barrier = threading.Barrier(len(names))
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = [pool.submit(fn, name, barrier) for name in names]
+        return [f.result(timeout=90) for f in futures]
+
+
+def leave_together(manager: phalanx.Manager, barrier: threading.Barrier) -> None:
+    """Shuts `manager` down once every group is done: a group that leaves while a
+    peer still votes on the last sync makes the peer discard it (its death, as far
+    as the lighthouse can tell)."""
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait(timeout=30)
+    manager.shutdown()
+
+
+def manager_for(
+    lighthouse: phalanx.LighthouseServer, name: str, timeout: float = 10.0, **kw
+) -> phalanx.Manager:
+    return phalanx.Manager(replica_id=name, lighthouse=lighthouse.address, timeout=timeout, **kw)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import phalanx
-from test_diloco import in_groups, leave_together, manager_for
+
+from conftest import in_groups, leave_together, manager_for
 
 LR = 0.1
 STEPS = 2

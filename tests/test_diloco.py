@@ -14,15 +14,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import doctest
 import signal
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -44,36 +41,10 @@ from phalanx.quantize import (
     shared_scales,
 )
 
-from conftest import PROCS, TESTS, Child
+from conftest import PROCS, TESTS, Child, in_groups, leave_together, manager_for
 
 DILOCO_PROCESS = PROCS / "diloco_process.py"
 CORPUS = TESTS.parent / "python" / "phalanx" / "demo" / "corpus" / "genesis.txt"
-
-
-def in_groups(
-    fn: Callable[[str, threading.Barrier], object], names: tuple[str, ...] = ("a", "b")
-) -> list:
-    """Runs `fn(replica_id, barrier)` for each group at once, each on its own thread;
-    `barrier` is for `leave_together`."""
-    barrier = threading.Barrier(len(names))
-    with ThreadPoolExecutor(len(names)) as pool:
-        futures = [pool.submit(fn, name, barrier) for name in names]
-        return [f.result(timeout=90) for f in futures]
-
-
-def leave_together(manager: phalanx.Manager, barrier: threading.Barrier) -> None:
-    """Shuts `manager` down once every group is done: a group that leaves while a
-    peer still votes on the last sync makes the peer discard it (its death, as far
-    as the lighthouse can tell)."""
-    with contextlib.suppress(threading.BrokenBarrierError):
-        barrier.wait(timeout=30)
-    manager.shutdown()
-
-
-def manager_for(
-    lighthouse: phalanx.LighthouseServer, name: str, timeout: float = 10.0, **kw
-) -> phalanx.Manager:
-    return phalanx.Manager(replica_id=name, lighthouse=lighthouse.address, timeout=timeout, **kw)
 
 
 # -- numerics -------------------------------------------------------------------------
