@@ -16,8 +16,9 @@ use super::wire::{
 use crate::auth::JobToken;
 use crate::Error;
 
-/// Bytes read and checksummed per step: the checksum pass finds them still in cache.
-const PIECE: usize = 256 << 10;
+/// Most bytes read and checksummed per step: the checksum pass finds them still in
+/// cache. A read returns what has arrived, which is usually less.
+const PIECE: usize = 1 << 20;
 /// Layout, manifest and refusal answers larger than this are refused unread.
 const MAX_SMALL_ANSWER: u64 = 256 << 20;
 /// First and longest pause between asks to a source that has not published yet.

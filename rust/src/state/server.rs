@@ -26,9 +26,8 @@ use crate::gate::{GateLimits, Refusal, Refusals};
 use crate::server::advertised_address;
 use crate::Error;
 
-/// Bytes written and then checksummed per step: small enough to still be in L2 when
-/// the checksum pass follows the kernel's copy into the socket.
-const PIECE: usize = 256 << 10;
+/// Bytes per pacing step when a byte rate caps the sends.
+const PACED_PIECE: usize = 256 << 10;
 /// After a withdraw's grace, sends still reading the window are cut; they stop at
 /// their next write, well within this.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -546,6 +545,27 @@ fn chunk_of<'w>(window: &'w Window, request: &Request) -> Result<&'w [u8], Strin
     }
 }
 
+/// Writes `bytes`, each write as large as the socket takes, and checksums each part
+/// right after it went out: the kernel's copy has just pulled it into cache, so the
+/// checksum pass costs a fraction of a trip to memory. The window's bytes do not change
+/// while it is open, so the checksum covers what was sent.
+async fn write_checksummed(
+    stream: &mut Guarded,
+    bytes: &[u8],
+    crc: &mut Checksum,
+) -> io::Result<()> {
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let n = stream.write(&bytes[sent..]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        crc.update(&bytes[sent..sent + n]);
+        sent += n;
+    }
+    Ok(())
+}
+
 /// Streams one chunk: header, the bytes straight from the window, their checksum.
 /// Stops at the next write once the window is cut.
 async fn send_chunk(
@@ -563,24 +583,19 @@ async fn send_chunk(
             quorum_id: window.quorum_id,
         };
         stream.write_all(&header.encode()).await?;
-        let damage_at = shared.corruption.next(bytes.len() as u64);
         let mut crc = Checksum::new();
-        for (i, piece) in bytes.chunks(PIECE).enumerate() {
-            if let Some(pacer) = &shared.pacer {
+        if let Some(at) = shared.corruption.next(bytes.len() as u64) {
+            let mut damaged = bytes.to_vec();
+            damaged[at] ^= 0xFF;
+            stream.write_all(&damaged).await?;
+            crc.update(bytes);
+        } else if let Some(pacer) = &shared.pacer {
+            for piece in bytes.chunks(PACED_PIECE) {
                 pacer.admit(piece.len()).await;
+                write_checksummed(stream, piece, &mut crc).await?;
             }
-            match damage_at {
-                Some(at) if at / PIECE == i => {
-                    let mut damaged = piece.to_vec();
-                    damaged[at % PIECE] ^= 0xFF;
-                    stream.write_all(&damaged).await?;
-                }
-                _ => stream.write_all(piece).await?,
-            }
-            // After the write, not before: the kernel's copy has just pulled the piece
-            // into cache, so the checksum pass costs a fraction of a trip to memory.
-            // The window's bytes do not change while it is open, so it covers what went out.
-            crc.update(piece);
+        } else {
+            write_checksummed(stream, bytes, &mut crc).await?;
         }
         stream.write_all(&crc.finish().to_le_bytes()).await?;
         shared
