@@ -11,7 +11,7 @@ import pytest
 
 import phalanx
 
-from conftest import HEARTBEAT_INTERVAL, wait_until
+from conftest import HEARTBEAT_INTERVAL, http_get, wait_until
 
 
 def together(*calls: Callable[[], object]) -> list[object]:
@@ -208,6 +208,24 @@ def test_a_group_that_shuts_down_is_reported_to_the_others_at_once(lighthouse):
         assert (event.lost, event.cause) == (["b"], "stream_broken")
         assert event.quorum_id == quorums[0].quorum_id
         assert a_rank.quorum(0, 1, timeout=5.0).quorum_id > event.quorum_id
+
+
+def test_groups_ask_for_their_quorums_on_their_heartbeat_streams(lighthouse):
+    """One frame each way on a stream already open, not a call of its own per quorum."""
+    kw = {"heartbeat_interval": HEARTBEAT_INTERVAL}
+    with (
+        phalanx.ManagerServer("a", lighthouse.address, **kw) as a,
+        phalanx.ManagerServer("b", lighthouse.address, **kw) as b,
+    ):
+        ranks = [phalanx.ManagerClient(a.address), phalanx.ManagerClient(b.address)]
+        for step in range(2):
+            quorums = together(*(lambda r=r, s=step: r.quorum(0, s, timeout=5.0) for r in ranks))
+            for group, quorum in zip("ab", quorums, strict=True):
+                assert group in [m.replica_id for m in quorum.participants]
+
+    _, metrics = http_get(f"http://{lighthouse.address}/metrics")
+    assert 'phalanx_lighthouse_quorum_requests_total{via="stream"} 4' in metrics, metrics
+    assert 'phalanx_lighthouse_quorum_requests_total{via="call"} 0' in metrics, metrics
 
 
 def test_a_quorum_asked_in_the_background_answers_once(group):

@@ -121,6 +121,15 @@ pub(crate) fn timeout_ms(timeout: Duration) -> u64 {
     timeout.as_millis().clamp(1, u64::MAX as u128) as u64
 }
 
+/// The quorum a lighthouse at `address` answered with.
+pub(crate) fn decode_quorum(encoded: bytes::Bytes, address: &str) -> Result<proto::Quorum, Error> {
+    proto::Quorum::decode(encoded).map_err(|e| {
+        Error::Rpc(Status::internal(format!(
+            "the lighthouse at {address} answered with a malformed quorum: {e}"
+        )))
+    })
+}
+
 /// A client of the job's lighthouse, or of a set of them (`a:p,b:p,c:p`): calls go to
 /// one lighthouse at a time, the one that served last; a call that cannot reach it, or
 /// that it refuses because another serves, moves every clone of this client to the
@@ -278,12 +287,7 @@ impl LighthouseClient {
         let encoded = self
             .quorum_encoded(requester, last_quorum_id, timeout)
             .await?;
-        proto::Quorum::decode(encoded).map_err(|e| {
-            Error::Rpc(Status::internal(format!(
-                "the lighthouse at {} answered with a malformed quorum: {e}",
-                self.address()
-            )))
-        })
+        decode_quorum(encoded, self.address())
     }
 
     /// Like [`Self::quorum`], but a lighthouse that cannot be reached (down, or

@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, Barrier};
 
 use crate::auth::JobToken;
 use crate::client::LighthouseClient;
-use crate::proto::{self, PROTOCOL_VERSION};
+use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 use crate::Error;
 
 /// One quorum round as the groups saw it.
@@ -30,11 +30,63 @@ struct QuorumId {
     quorum_id: u64,
 }
 
-async fn ask(client: &LighthouseClient, id: String, timeout: Duration) -> Result<u64, Error> {
-    let encoded = client.quorum_encoded(member(id), 0, timeout).await?;
-    QuorumId::decode(encoded)
-        .map(|q| q.quorum_id)
-        .map_err(|e| Error::InvalidConfig(format!("malformed quorum: {e}")))
+/// A group as the benchmark drives it: its heartbeat stream, on which it asks for
+/// its quorums as a manager server does.
+struct Group {
+    replica_id: String,
+    beats: mpsc::Sender<proto::Beat>,
+    events: tonic::Streaming<proto::LighthouseEvent>,
+    asked: u64,
+}
+
+impl Group {
+    async fn open(
+        client: &LighthouseClient,
+        replica_id: String,
+        timeout: Duration,
+    ) -> Result<Group, Error> {
+        let (beats, rx) = mpsc::channel(4);
+        beats.send(beat(&replica_id)).await.ok();
+        let events = client.heartbeat(rx, timeout).await?;
+        Ok(Group {
+            replica_id,
+            beats,
+            events,
+            asked: 0,
+        })
+    }
+
+    /// Asks for the next quorum; returns its id.
+    async fn ask(&mut self, timeout: Duration) -> Result<u64, Error> {
+        self.asked += 1;
+        let ask = proto::Beat {
+            ask: Some(proto::QuorumAsk {
+                ask_id: self.asked,
+                requester: Some(member(self.replica_id.clone())),
+                timeout_ms: timeout.as_millis() as u64,
+            }),
+            ..beat("")
+        };
+        let gone = || Error::InvalidConfig("the lighthouse ended the heartbeat stream".into());
+        self.beats.send(ask).await.map_err(|_| gone())?;
+        loop {
+            let event = self.events.message().await.map_err(Error::Rpc)?;
+            let Some(proto::LighthouseEvent { event }) = event else {
+                return Err(gone());
+            };
+            if let Some(Event::Answer(answer)) = event {
+                if answer.code != 0 {
+                    return Err(Error::Rpc(tonic::Status::new(
+                        answer.code.into(),
+                        answer.message,
+                    )));
+                }
+                return QuorumId::decode(answer.quorum)
+                    .map(|q| q.quorum_id)
+                    .map_err(|e| Error::InvalidConfig(format!("malformed quorum: {e}")));
+            }
+        }
+    }
 }
 
 fn member(replica_id: String) -> proto::Member {
@@ -58,9 +110,10 @@ fn beat(replica_id: &str) -> proto::Beat {
     }
 }
 
-/// `replicas` groups, each with its own connection, ask for `rounds` quorums in
-/// lock-step. With `change_every` > 0, one extra group joins on every such round and
-/// leaves (its heartbeat stream dropped, as on a crash) on the one after.
+/// `replicas` groups, each with its own connection and heartbeat stream, ask for
+/// `rounds` quorums in lock-step. With `change_every` > 0, one extra group joins on
+/// every such round and leaves (its heartbeat stream dropped, as on a crash) on the
+/// one after.
 pub async fn quorum_rounds(
     address: &str,
     token: &JobToken,
@@ -69,67 +122,63 @@ pub async fn quorum_rounds(
     change_every: usize,
     timeout: Duration,
 ) -> Result<Vec<RoundTiming>, Error> {
-    let clients: Vec<LighthouseClient> = (0..=replicas)
-        .map(|_| LighthouseClient::new(address, token, timeout))
-        .collect::<Result<_, _>>()?;
+    let status = LighthouseClient::new(address, token, timeout)?;
+    let extra_client = LighthouseClient::new(address, token, timeout)?;
+    let mut groups = Vec::with_capacity(replicas);
+    for g in 0..replicas {
+        let client = LighthouseClient::new(address, token, timeout)?;
+        groups.push(Group::open(&client, format!("group-{g:05}"), timeout).await?);
+    }
     let mut timings = Vec::with_capacity(rounds);
-    let mut extra_in = false;
-    let mut extra_stream = None;
-    // Round 0 connects everybody and forms the first quorum; it is not reported.
+    let mut extra = None;
+    // Round 0 forms the first quorum; it is not reported.
     for round in 0..=rounds {
         let change = change_every > 0 && round > 0 && round % change_every == 0;
+        let mut newcomer = None;
         if change {
-            extra_in = !extra_in;
-            if extra_in {
-                let (tx, rx) = mpsc::channel(4);
-                tx.send(beat("extra")).await.ok();
-                let stream = clients[replicas].heartbeat(rx, timeout).await?;
-                extra_stream = Some((tx, stream));
-            } else {
-                extra_stream = None;
-            }
-            // Let the lighthouse see the stream open or break before the round starts.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let groups = replicas + usize::from(extra_in);
-        // A newcomer asks first: the others' round must find it waiting to be let in.
-        let newcomer_first = change && extra_in;
-        let barrier = Arc::new(Barrier::new(groups - usize::from(newcomer_first)));
-        let mut tasks = Vec::with_capacity(groups);
-        for (g, client) in clients.iter().take(groups).enumerate().rev() {
-            let client = client.clone();
-            let barrier = barrier.clone();
-            let is_extra = g == replicas;
-            let id = if is_extra {
-                "extra".to_string()
-            } else {
-                format!("group-{g:05}")
-            };
-            if is_extra && newcomer_first {
-                tasks.push(tokio::spawn(async move {
-                    let quorum_id = ask(&client, id, timeout).await?;
-                    Ok::<_, Error>((None, Instant::now(), quorum_id))
+            if extra.take().is_none() {
+                let mut group = Group::open(&extra_client, "extra".into(), timeout).await?;
+                // A newcomer asks first: the others' round must find it waiting.
+                newcomer = Some(tokio::spawn(async move {
+                    let quorum_id = group.ask(timeout).await;
+                    (group, None, Instant::now(), quorum_id)
                 }));
-                wait_until_joined(&clients[0], "extra", timeout).await?;
-                continue;
+                wait_until_joined(&status, "extra", timeout).await?;
+            } else {
+                // Let the lighthouse see the stream break before the round starts.
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tasks.push(tokio::spawn(async move {
-                barrier.wait().await;
-                let sent = Instant::now();
-                let quorum_id = ask(&client, id, timeout).await?;
-                Ok::<_, Error>((Some(sent), Instant::now(), quorum_id))
-            }));
         }
+        let barrier = Arc::new(Barrier::new(groups.len() + usize::from(extra.is_some())));
+        let mut tasks: Vec<_> = groups
+            .drain(..)
+            .chain(extra.take())
+            .map(|mut group| {
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let sent = Instant::now();
+                    let quorum_id = group.ask(timeout).await;
+                    (group, Some(sent), Instant::now(), quorum_id)
+                })
+            })
+            .collect();
+        tasks.extend(newcomer);
         let mut last_sent = None::<Instant>;
         let mut last_answer = None::<Instant>;
         let mut quorum_id = 0;
         for task in tasks {
-            let (sent, answered, id) = task
+            let (group, sent, answered, id) = task
                 .await
-                .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))??;
+                .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))?;
             last_sent = last_sent.max(sent);
             last_answer = last_answer.max(Some(answered));
-            quorum_id = id;
+            quorum_id = id?;
+            if group.replica_id == "extra" {
+                extra = Some(group);
+            } else {
+                groups.push(group);
+            }
         }
         if round > 0 {
             timings.push(RoundTiming {
@@ -141,7 +190,6 @@ pub async fn quorum_rounds(
             });
         }
     }
-    drop(extra_stream);
     Ok(timings)
 }
 

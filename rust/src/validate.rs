@@ -78,6 +78,26 @@ pub fn beat(beat: &proto::Beat) -> Result<(), Status> {
     quorum_id("last_quorum_id", beat.last_quorum_id)
 }
 
+/// A quorum request on `replica_id`'s heartbeat stream: its requester and wait.
+pub fn ask(
+    ask: &proto::QuorumAsk,
+    replica_id: &str,
+) -> Result<(proto::Member, std::time::Duration), Status> {
+    let member = ask
+        .requester
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument("quorum ask without a requester"))?;
+    if member.replica_id != replica_id {
+        return Err(Status::permission_denied(format!(
+            "a quorum ask for {:?} came on the heartbeat stream of {replica_id:?}; a group \
+             asks for itself only",
+            member.replica_id
+        )));
+    }
+    self::member(member)?;
+    Ok((member.clone(), timeout_ms(ask.timeout_ms)?))
+}
+
 pub fn world_size(world_size: u32) -> Result<(), Status> {
     if world_size == 0 || world_size > MAX_WORLD_SIZE {
         return Err(Status::invalid_argument(format!(

@@ -810,6 +810,139 @@ async fn a_quorum_request_for_a_waiting_replica_id_from_another_manager_is_refus
     assert_eq!(first[0].quorum_id, other[0].quorum_id);
 }
 
+/// A quorum request sent on the group's heartbeat stream (a beat with seq 0 and an ask).
+fn ask_beat(ask_id: u64, requester: proto::Member, timeout: Duration) -> proto::Beat {
+    proto::Beat {
+        step: requester.step,
+        ask: Some(proto::QuorumAsk {
+            ask_id,
+            requester: Some(requester),
+            timeout_ms: timeout.as_millis() as u64,
+        }),
+        ..beat("")
+    }
+}
+
+/// The next event on a stream, leases included.
+async fn next_raw_event(
+    events: &mut tonic::Streaming<proto::LighthouseEvent>,
+) -> proto::lighthouse_event::Event {
+    bounded("heartbeat event", PATIENCE, events.message())
+        .await
+        .expect("event stream healthy")
+        .expect("event stream still open")
+        .event
+        .expect("an event")
+}
+
+async fn next_answer(events: &mut tonic::Streaming<proto::LighthouseEvent>) -> proto::QuorumAnswer {
+    match bounded("quorum answer", PATIENCE, next_event(events))
+        .await
+        .expect("event stream healthy")
+        .expect("event stream still open")
+    {
+        proto::lighthouse_event::Event::Answer(answer) => answer,
+        other => panic!("expected a quorum answer, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_asked_on_the_heartbeat_stream_is_answered_on_it_and_gets_no_lease() {
+    let (_lighthouse, addr) = start(2).await;
+    let on_stream = client(addr);
+    let mut hb = open_heartbeat(&on_stream, "a").await.expect("stream opens");
+    assert!(matches!(
+        next_raw_event(&mut hb.events).await,
+        proto::lighthouse_event::Event::Lease(_)
+    ));
+
+    hb.beats
+        .send(ask_beat(7, member("a", 0), CALL_TIMEOUT))
+        .await
+        .unwrap();
+    let by_call = answers(vec![ask(&client(addr), member("b", 0), 0)]).await;
+
+    // The ask's only answer is the quorum: no lease comes first.
+    let answer = match next_raw_event(&mut hb.events).await {
+        proto::lighthouse_event::Event::Answer(answer) => answer,
+        other => panic!("expected the quorum answer, got {other:?}"),
+    };
+    assert_eq!((answer.ask_id, answer.code), (7, 0), "{}", answer.message);
+    let quorum = proto::Quorum::decode(answer.quorum).expect("an encoded quorum");
+    assert_eq!(ids(&quorum), ["a", "b"]);
+    assert_eq!(quorum.quorum_id, by_call[0].quorum_id);
+
+    let (_, metrics) = http_get(addr, "/metrics", None).await;
+    for via in ["stream", "call"] {
+        let line = format!("phalanx_lighthouse_quorum_requests_total{{via=\"{via}\"}} 1");
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_or_unanswerable_ask_is_refused_on_the_stream_which_serves_on() {
+    let (_lighthouse, addr) = start(2).await;
+    let mut hb = open_heartbeat(&client(addr), "a")
+        .await
+        .expect("stream opens");
+    let _beating = keep_beating(hb.beats.clone(), "a");
+
+    // A group asks for itself only.
+    hb.beats
+        .send(ask_beat(1, member("b", 0), CALL_TIMEOUT))
+        .await
+        .unwrap();
+    let answer = next_answer(&mut hb.events).await;
+    assert_eq!(answer.ask_id, 1);
+    assert_eq!(Code::from(answer.code), Code::PermissionDenied);
+    assert!(
+        answer.message.contains("\"b\"") && answer.message.contains("itself"),
+        "{}",
+        answer.message
+    );
+    assert!(answer.quorum.is_empty());
+
+    hb.beats
+        .send(ask_beat(2, member("a", 0), Duration::ZERO))
+        .await
+        .unwrap();
+    let answer = next_answer(&mut hb.events).await;
+    assert_eq!(
+        (answer.ask_id, Code::from(answer.code)),
+        (2, Code::InvalidArgument),
+        "{}",
+        answer.message
+    );
+    assert!(answer.message.contains("timeout"), "{}", answer.message);
+
+    // Alone, with two groups needed: the wait runs out, and the answer says why.
+    hb.beats
+        .send(ask_beat(3, member("a", 0), Duration::from_millis(300)))
+        .await
+        .unwrap();
+    let answer = next_answer(&mut hb.events).await;
+    assert_eq!(
+        (answer.ask_id, Code::from(answer.code)),
+        (3, Code::DeadlineExceeded),
+        "{}",
+        answer.message
+    );
+    assert!(
+        answer.message.contains("no quorum within"),
+        "{}",
+        answer.message
+    );
+
+    // The stream still serves: with a second group, the next ask gets its quorum.
+    hb.beats
+        .send(ask_beat(4, member("a", 0), CALL_TIMEOUT))
+        .await
+        .unwrap();
+    answers(vec![ask(&client(addr), member("b", 0), 0)]).await;
+    let answer = next_answer(&mut hb.events).await;
+    assert_eq!((answer.ask_id, answer.code), (4, 0), "{}", answer.message);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_the_lighthouse_ends_heartbeat_streams_and_waiting_requests_at_once() {
     let (lighthouse, addr) = start(2).await;

@@ -24,6 +24,9 @@ pub struct Metrics {
     pub quorum_changes: Counter,
     pub quorum_wait_seconds: Histogram,
     pub heartbeats: Counter,
+    /// By the way they came: `stream` (on a heartbeat stream) or `call` (a call of
+    /// their own, as groups ask while no stream is open).
+    pub quorum_requests: Family<Labels, Counter>,
     pub evictions: Family<Labels, Counter>,
     pub refusals: Refusals,
 }
@@ -39,6 +42,7 @@ impl Metrics {
             // 100 µs to ~105 s.
             quorum_wait_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 21)),
             heartbeats: Counter::default(),
+            quorum_requests: Family::default(),
             evictions: Family::default(),
             refusals: Refusals::default(),
             registry: Registry::default(),
@@ -66,6 +70,14 @@ impl Metrics {
         );
         registry.register("heartbeats", "Heartbeats received", m.heartbeats.clone());
         registry.register(
+            "quorum_requests",
+            "Quorum requests received, by the way they came (stream or call)",
+            m.quorum_requests.clone(),
+        );
+        for via in [Via::Stream, Via::Call] {
+            m.quorum_request(via);
+        }
+        registry.register(
             "evictions",
             "Replica groups declared dead, by cause",
             m.evictions.clone(),
@@ -79,6 +91,17 @@ impl Metrics {
             m.evicted_family(cause);
         }
         Metrics { registry, ..m }
+    }
+
+    /// Counts a quorum request that came `via` that way.
+    pub fn quorum_request(&self, via: Via) -> Counter {
+        let via = match via {
+            Via::Stream => "stream",
+            Via::Call => "call",
+        };
+        self.quorum_requests
+            .get_or_create(&vec![("via", via)])
+            .clone()
     }
 
     pub fn evicted(&self, cause: Eviction) {
@@ -102,6 +125,13 @@ impl Metrics {
         encode(&mut out, &group_registry(snapshot)).expect("writing to a String cannot fail");
         out
     }
+}
+
+/// How a quorum request reached the lighthouse.
+#[derive(Clone, Copy, Debug)]
+pub enum Via {
+    Stream,
+    Call,
 }
 
 const EOF: &str = "# EOF\n";

@@ -7,15 +7,17 @@
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
+use tokio_util::task::AbortOnDropHandle;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::leadership::quorum_id_floor;
-use super::metrics::Metrics;
+use super::metrics::{Metrics, Via};
 use super::set::Seat;
 use super::state::{Eviction, LighthouseState};
 use crate::door::Ticket;
@@ -150,6 +152,92 @@ impl Shared {
         self.metrics.evicted(cause);
     }
 
+    /// Joins `member` to the next quorum and waits for it, up to `timeout`; returns the
+    /// encoded quorum. The join is withdrawn if the caller gives up first (drops this).
+    async fn quorum_for(
+        self: &Arc<Self>,
+        member: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Result<Bytes, Status> {
+        let replica_id = member.replica_id.clone();
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let ticket = {
+            let mut st = self.lock();
+            let now = Instant::now();
+            self.admit(now)?;
+            let ticket = refuse(
+                self,
+                Refusal::DuplicateReplica,
+                st.join(member.into(), last_quorum_id, now, reply_tx),
+            )?;
+            self.joined(&mut st, now);
+            ticket
+        };
+        let mut guard = LeaveOnDrop {
+            shared: self.clone(),
+            replica_id,
+            ticket: Some(ticket),
+        };
+        match tokio::time::timeout(timeout, reply_rx).await {
+            Ok(Ok(reply)) => {
+                guard.ticket = None;
+                reply
+            }
+            Ok(Err(_)) => {
+                guard.ticket = None;
+                Err(Status::unavailable("the lighthouse is shutting down"))
+            }
+            Err(_) => {
+                let reason = self.lock().waiting_reason(Instant::now()).to_string();
+                Err(Status::deadline_exceeded(format!(
+                    "no quorum within {:.3} s: {reason}",
+                    timeout.as_secs_f64()
+                )))
+            }
+        }
+    }
+
+    /// Answers a quorum request that came on `replica_id`'s heartbeat stream, on the
+    /// stream's events; dropping the handle withdraws it.
+    fn answer_ask(
+        self: &Arc<Self>,
+        replica_id: &str,
+        ask: proto::QuorumAsk,
+        last_quorum_id: u64,
+        events: mpsc::WeakSender<Result<proto::LighthouseEvent, Status>>,
+    ) -> AbortOnDropHandle<()> {
+        self.metrics.quorum_request(Via::Stream).inc();
+        let shared = self.clone();
+        let checked = refuse(self, Refusal::Invalid, validate::ask(&ask, replica_id));
+        AbortOnDropHandle::new(tokio::spawn(async move {
+            let answered = match checked {
+                Ok((member, timeout)) => shared.quorum_for(member, last_quorum_id, timeout).await,
+                Err(status) => Err(status),
+            };
+            let answer = match answered {
+                Ok(quorum) => proto::QuorumAnswer {
+                    ask_id: ask.ask_id,
+                    quorum,
+                    ..Default::default()
+                },
+                Err(status) => proto::QuorumAnswer {
+                    ask_id: ask.ask_id,
+                    quorum: Bytes::new(),
+                    code: status.code() as i32,
+                    message: status.message().to_string(),
+                },
+            };
+            // As a lease: a group whose events queue is full does not read them, and
+            // its ask times out on its side.
+            if let Some(events) = events.upgrade() {
+                let _ = events.try_send(Ok(proto::LighthouseEvent {
+                    event: Some(proto::lighthouse_event::Event::Answer(answer)),
+                }));
+            }
+        }))
+    }
+
     /// Expires silent groups and acts on due deadlines until `shutdown` flips.
     pub(crate) async fn run_deadlines(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         loop {
@@ -233,6 +321,7 @@ impl Lighthouse for LighthouseService {
         &self,
         request: Request<proto::LighthouseQuorumRequest>,
     ) -> Result<Response<proto::LighthouseQuorumResponse>, Status> {
+        self.shared.metrics.quorum_request(Via::Call).inc();
         let req = request.into_inner();
         let checked = validate::protocol_version(req.protocol_version).and_then(|_| {
             let member = req
@@ -243,48 +332,11 @@ impl Lighthouse for LighthouseService {
             Ok((member, validate::timeout_ms(req.timeout_ms)?))
         });
         let (member, timeout) = refuse(&self.shared, Refusal::Invalid, checked)?;
-        let replica_id = member.replica_id.clone();
-
-        let (reply_tx, reply_rx) = oneshot::channel();
-        let ticket = {
-            let mut st = self.shared.lock();
-            let now = Instant::now();
-            self.shared.admit(now)?;
-            let ticket = refuse(
-                &self.shared,
-                Refusal::DuplicateReplica,
-                st.join(member.into(), req.last_quorum_id, now, reply_tx),
-            )?;
-            self.shared.joined(&mut st, now);
-            ticket
-        };
-        let mut guard = LeaveOnDrop {
-            shared: self.shared.clone(),
-            replica_id,
-            ticket: Some(ticket),
-        };
-        match tokio::time::timeout(timeout, reply_rx).await {
-            Ok(Ok(reply)) => {
-                guard.ticket = None;
-                let quorum = reply?;
-                Ok(Response::new(proto::LighthouseQuorumResponse { quorum }))
-            }
-            Ok(Err(_)) => {
-                guard.ticket = None;
-                Err(Status::unavailable("the lighthouse is shutting down"))
-            }
-            Err(_) => {
-                let reason = self
-                    .shared
-                    .lock()
-                    .waiting_reason(Instant::now())
-                    .to_string();
-                Err(Status::deadline_exceeded(format!(
-                    "no quorum within {:.3} s: {reason}",
-                    timeout.as_secs_f64()
-                )))
-            }
-        }
+        let quorum = self
+            .shared
+            .quorum_for(member, req.last_quorum_id, timeout)
+            .await?;
+        Ok(Response::new(proto::LighthouseQuorumResponse { quorum }))
     }
 
     type HeartbeatStream = EventStream;
@@ -321,6 +373,7 @@ impl Lighthouse for LighthouseService {
         // Weak: the state holds the stream's one strong sender, so that evicting the
         // group ends its response stream at once, beats or no beats.
         let acks = events_tx.downgrade();
+        let answers = acks.clone();
         let lease_ms = heartbeat_timeout.as_millis() as u64;
         let (stream_id, pulse) = {
             let mut st = self.shared.lock();
@@ -346,9 +399,14 @@ impl Lighthouse for LighthouseService {
         acknowledge(first.seq, pulse.lease_quorum());
         pulse.trained(Instant::now(), &first);
         self.shared.report(&first.replica_id, &first);
+        let replica_id = first.replica_id.clone();
+        // The stream's quorum request still waiting, if any; withdrawn with the stream.
+        let mut _asking = first.ask.map(|ask| {
+            self.shared
+                .answer_ask(&replica_id, ask, first.last_quorum_id, answers.clone())
+        });
 
         let shared = self.shared.clone();
-        let replica_id = first.replica_id.clone();
         // Ends when the group's side closes or breaks, or at its first beat once it was
         // evicted or the lighthouse stopped (both retire the pulse, and the stream's
         // response ends with this task).
@@ -356,22 +414,35 @@ impl Lighthouse for LighthouseService {
             loop {
                 match inbound.message().await {
                     // The hot path: no lock, a few atomic operations and one ack.
-                    Ok(Some(beat)) => {
-                        shared.metrics.heartbeats.inc();
+                    Ok(Some(mut beat)) => {
                         if validate::beat(&beat).is_err()
                             || !pulse.beat(Instant::now(), beat.step, beat.last_quorum_id)
                         {
                             return;
                         }
-                        if !acknowledge(beat.seq, pulse.lease_quorum()) {
-                            return;
+                        let ask = beat.ask.take();
+                        // An ask on its own (seq 0) is a sign of life that reports
+                        // nothing else; its answer acknowledges it.
+                        if beat.seq != 0 || ask.is_none() {
+                            shared.metrics.heartbeats.inc();
+                            if !acknowledge(beat.seq, pulse.lease_quorum()) {
+                                return;
+                            }
+                            if pulse.trained(Instant::now(), &beat)
+                                && shared.stall_overdue.load(Relaxed)
+                            {
+                                shared.wake.notify_one();
+                            }
+                            shared.report(&replica_id, &beat);
                         }
-                        if pulse.trained(Instant::now(), &beat)
-                            && shared.stall_overdue.load(Relaxed)
-                        {
-                            shared.wake.notify_one();
+                        if let Some(ask) = ask {
+                            _asking = Some(shared.answer_ask(
+                                &replica_id,
+                                ask,
+                                beat.last_quorum_id,
+                                answers.clone(),
+                            ));
                         }
-                        shared.report(&replica_id, &beat);
                     }
                     Ok(None) | Err(_) => {
                         let mut st = shared.lock();

@@ -1,17 +1,19 @@
 //! A group's heartbeat: one stream to the lighthouse for as long as the manager server
 //! runs, re-opened after a lighthouse restart. Beats carry the group's progress (and
-//! its refusal counts when they change); the lighthouse answers with leases and with
-//! the membership losses the group must act on.
+//! its refusal counts when they change), and its quorum requests; the lighthouse
+//! answers with leases, quorums and the membership losses the group must act on.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{broadcast, mpsc, watch};
-use tonic::Streaming;
+use bytes::Bytes;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio_util::task::AbortOnDropHandle;
+use tonic::{Code, Status, Streaming};
 
 use super::progress::Board;
-use crate::client::LighthouseClient;
+use crate::client::{timeout_ms, LighthouseClient};
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 
@@ -54,15 +56,6 @@ fn lease_length(lease_ms: u64) -> Duration {
     granted.saturating_sub((granted / 10).max(Duration::from_millis(20)))
 }
 
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// The send times of the beats not acknowledged yet, by sequence number.
 #[derive(Default)]
 struct InFlight(Mutex<VecDeque<(u64, Instant)>>);
@@ -95,6 +88,109 @@ impl InFlight {
     }
 }
 
+/// Quorum requests that ride on the open heartbeat stream (see `proto::QuorumAsk`): a
+/// DATA frame each way on a stream already open, where a call of its own costs a new
+/// HTTP/2 stream, its headers and trailers. One ask waits at a time.
+#[derive(Default)]
+pub struct Asks(Mutex<AsksInner>);
+
+#[derive(Default)]
+struct AsksInner {
+    /// The open stream's beats; None while no stream is open. Weak: the stream's
+    /// beats end, and the lighthouse sees it close, once its beat sender stops.
+    beats: Option<mpsc::WeakSender<proto::Beat>>,
+    last_id: u64,
+    /// The ask waiting for its answer.
+    waiting: Option<(u64, oneshot::Sender<proto::QuorumAnswer>)>,
+}
+
+impl Asks {
+    fn lock(&self) -> std::sync::MutexGuard<'_, AsksInner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Asks for the next quorum on the open stream and waits up to `timeout` for the
+    /// encoded quorum. None: ask by a call of its own instead, because no stream is
+    /// open, it ended before the answer, or the lighthouse no longer serves (the call
+    /// finds the one that does).
+    pub async fn ask(
+        &self,
+        requester: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Option<Result<Bytes, Status>> {
+        let (beats, ask_id, answer) = {
+            let mut inner = self.lock();
+            let beats = inner.beats.as_ref()?.upgrade()?;
+            inner.last_id += 1;
+            let (tx, rx) = oneshot::channel();
+            inner.waiting = Some((inner.last_id, tx));
+            (beats, inner.last_id, rx)
+        };
+        // The lighthouse answers a little before the deadline here, so that a wait
+        // that runs out still hears why from it.
+        let lighthouse_wait = timeout - (timeout / 10).min(Duration::from_millis(100));
+        let beat = proto::Beat {
+            protocol_version: PROTOCOL_VERSION,
+            last_quorum_id,
+            step: requester.step,
+            ask: Some(proto::QuorumAsk {
+                ask_id,
+                requester: Some(requester),
+                timeout_ms: timeout_ms(lighthouse_wait),
+            }),
+            ..Default::default()
+        };
+        let deadline = tokio::time::Instant::now() + timeout;
+        match tokio::time::timeout_at(deadline, beats.send(beat)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return None,
+            Err(_) => return Some(Err(not_answered(timeout))),
+        }
+        drop(beats);
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(a)) if a.code == 0 => Some(Ok(a.quorum)),
+            Ok(Ok(a)) => match Status::new(Code::from(a.code), a.message) {
+                refused if refused.code() == Code::Unavailable => None,
+                refused => Some(Err(refused)),
+            },
+            Ok(Err(_)) => None,
+            Err(_) => Some(Err(not_answered(timeout))),
+        }
+    }
+
+    fn open(&self, beats: &mpsc::Sender<proto::Beat>) {
+        self.lock().beats = Some(beats.downgrade());
+    }
+
+    /// The stream ended: the ask waiting hears so and is asked again by a call.
+    fn close(&self) {
+        let mut inner = self.lock();
+        inner.beats = None;
+        inner.waiting = None;
+    }
+
+    fn answered(&self, answer: proto::QuorumAnswer) {
+        let mut inner = self.lock();
+        if inner
+            .waiting
+            .as_ref()
+            .is_some_and(|(id, _)| *id == answer.ask_id)
+        {
+            if let Some((_, waiting)) = inner.waiting.take() {
+                let _ = waiting.send(answer);
+            }
+        }
+    }
+}
+
+fn not_answered(timeout: Duration) -> Status {
+    Status::deadline_exceeded(format!(
+        "no quorum within {:.3} s: the lighthouse did not answer",
+        timeout.as_secs_f64()
+    ))
+}
+
 /// A group's heartbeat, ready to run.
 pub struct Heartbeat {
     pub client: LighthouseClient,
@@ -112,6 +208,8 @@ pub struct Heartbeat {
     pub tally: Arc<dyn Fn() -> proto::GroupTally + Send + Sync>,
     /// The ranks' training progress, summed up on every beat.
     pub board: Arc<Mutex<Board>>,
+    /// The group's quorum requests, sent on the open stream.
+    pub asks: Arc<Asks>,
 }
 
 impl Heartbeat {
@@ -150,13 +248,17 @@ impl Heartbeat {
             // Without a stream the group cannot know whether the lighthouse still
             // counts it in: no lease until a new stream's first acknowledgement.
             self.lease.send_replace(None);
+            self.asks.close();
             drop(sender);
             tokio::time::sleep(backoff).await;
         }
     }
 
     /// The beats of one stream, and the task that sends them every interval.
-    fn send_beats(&self, in_flight: Arc<InFlight>) -> (mpsc::Receiver<proto::Beat>, AbortOnDrop) {
+    fn send_beats(
+        &self,
+        in_flight: Arc<InFlight>,
+    ) -> (mpsc::Receiver<proto::Beat>, AbortOnDropHandle<()>) {
         let (beats_tx, beats_rx) = mpsc::channel(4);
         let mut beat = self.beat_maker();
         // Only the first beat names the group; the server reads it before answering,
@@ -169,7 +271,8 @@ impl Heartbeat {
         });
         let progress = self.progress.clone();
         let interval = self.interval;
-        let sender = AbortOnDrop(tokio::spawn(async move {
+        self.asks.open(&beats_tx);
+        let sender = AbortOnDropHandle::new(tokio::spawn(async move {
             let mut ticker = tokio::time::interval(interval);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             ticker.tick().await;
@@ -228,6 +331,7 @@ impl Heartbeat {
                 waiting_ms: ms(trained.waiting),
                 stall_timeout_ms: ms(trained.stall_timeout),
                 step_time_ms: ms(trained.step_time),
+                ask: None,
             }
         }
     }
@@ -265,6 +369,7 @@ impl Heartbeat {
                             && lost.lost.iter().any(|id| id == replica_id);
                         let _ = self.events.send(lost);
                     }
+                    Event::Answer(answer) => self.asks.answered(answer),
                     Event::Lease(granted) => {
                         if let Some(sent_at) = in_flight.acknowledged(granted.seq) {
                             self.lease.send_replace(Some(Lease {

@@ -25,7 +25,7 @@ use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
-use crate::client::LighthouseClient;
+use crate::client::{decode_quorum, LighthouseClient};
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
 use crate::proto::store_server::StoreServer;
@@ -35,7 +35,7 @@ use crate::store::service::{max_request_bytes, SharedStore, StoreService};
 use crate::store::StoreLimits;
 use crate::{validate, Error};
 use group::{lease_verdict, Decision, Gathering, GroupState, RankRequest, StepQuorum, Vote, Voted};
-use heartbeat::Heartbeat;
+use heartbeat::{Asks, Heartbeat};
 pub use heartbeat::{Lease, Progress};
 
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -87,6 +87,8 @@ struct Shared {
     options: ManagerOptions,
     manager_address: String,
     lighthouse: LighthouseClient,
+    /// Quorum requests on the heartbeat stream; the lighthouse client when none is open.
+    asks: Arc<Asks>,
     group: Mutex<GroupState>,
     progress: watch::Sender<Progress>,
     events: broadcast::Sender<proto::MembershipLost>,
@@ -150,10 +152,18 @@ impl Shared {
             self.lock()
                 .member(&gathering, &self.manager_address, &self.store_address);
         let reported_failures = member.commit_failures;
-        let result = self
-            .lighthouse
-            .quorum_patiently(member, last_quorum_id, timeout)
-            .await;
+        let started = Instant::now();
+        let result = match self.asks.ask(member.clone(), last_quorum_id, timeout).await {
+            Some(answer) => answer
+                .map_err(Error::Rpc)
+                .and_then(|encoded| decode_quorum(encoded, self.lighthouse.address())),
+            None => {
+                let left = timeout.saturating_sub(started.elapsed());
+                self.lighthouse
+                    .quorum_patiently(member, last_quorum_id, left)
+                    .await
+            }
+        };
         let quorum = match result {
             Ok(q) => q,
             Err(Error::Rpc(status)) => return gathering.fail(&status),
@@ -485,6 +495,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     let (lease, lease_rx) = watch::channel(None);
     let refusals = Arc::new(GroupRefusals::default());
     let board = Arc::new(Mutex::new(progress::Board::default()));
+    let asks = Arc::new(Asks::default());
     let (listener, more, manager_address) = listen(&options).await?;
     let store = group_store(&options.replica_id)?;
     let store_address = if options.store_address.is_empty() {
@@ -496,6 +507,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         options: options.clone(),
         manager_address: manager_address.clone(),
         lighthouse: lighthouse.clone(),
+        asks: asks.clone(),
         group: Mutex::new(GroupState::new(
             options.replica_id.clone(),
             options.world_size,
@@ -533,6 +545,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
                 .unwrap_or_default()
         }),
         board,
+        asks,
     };
     handle.add_task(tokio::spawn(beat_until_stopped(heartbeat, stopping)));
     tracing::info!(
