@@ -5,12 +5,13 @@ the last request sent to the last answer received.
 
 Steady rounds keep the same membership; change rounds have a group join, or leave
 (its heartbeat stream dropped, as on a crash). The lighthouse runs in its own process;
-the groups are driven from Rust, each on its own connection and asking on its heartbeat
-stream as a manager server does, to keep the driver's overhead small. It is not nil: the driver shares the machine's cores, and a request
-counts as sent when its task starts the call, before it reaches the socket, so the
-latency also holds the driver's sending of the requests still queued then. Hence the
-lighthouse's own CPU time per round too (averaged over every round, the connecting
-first one included), which a busy machine moves less than the latency.
+the groups are driven from Rust, each on its own connection and asking on its
+heartbeat stream as a manager server does, to keep the driver's overhead small. It is
+not nil: the driver shares the machine's cores, and a request counts as sent when its
+task queues the ask, before it reaches the socket, so the latency also holds the
+driver's sending of the requests still queued then. Hence the lighthouse's own CPU
+time per round too (averaged over every round, the connecting first one included),
+which a busy machine moves less than the latency.
 """
 
 from __future__ import annotations

@@ -171,15 +171,13 @@ impl Asks {
     }
 
     fn answered(&self, answer: proto::QuorumAnswer) {
+        // An answer to an ask given up on since is not for the one waiting now.
         let mut inner = self.lock();
-        if inner
-            .waiting
-            .as_ref()
-            .is_some_and(|(id, _)| *id == answer.ask_id)
-        {
-            if let Some((_, waiting)) = inner.waiting.take() {
+        match inner.waiting.take() {
+            Some((id, waiting)) if id == answer.ask_id => {
                 let _ = waiting.send(answer);
             }
+            other => inner.waiting = other,
         }
     }
 }
