@@ -879,6 +879,22 @@ async fn a_quorum_asked_on_the_heartbeat_stream_is_answered_on_it_and_gets_no_le
     }
 }
 
+/// Sends a quorum ask on `hb` and waits for its answer.
+async fn ask_on(
+    hb: &mut Heartbeat,
+    ask_id: u64,
+    requester: proto::Member,
+    timeout: Duration,
+) -> proto::QuorumAnswer {
+    hb.beats
+        .send(ask_beat(ask_id, requester, timeout))
+        .await
+        .expect("stream open");
+    let answer = next_answer(&mut hb.events).await;
+    assert_eq!(answer.ask_id, ask_id, "{}", answer.message);
+    answer
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_or_unanswerable_ask_is_refused_on_the_stream_which_serves_on() {
     let (_lighthouse, addr) = start(2).await;
@@ -888,12 +904,7 @@ async fn a_bad_or_unanswerable_ask_is_refused_on_the_stream_which_serves_on() {
     let _beating = keep_beating(hb.beats.clone(), "a");
 
     // A group asks for itself only.
-    hb.beats
-        .send(ask_beat(1, member("b", 0), CALL_TIMEOUT))
-        .await
-        .unwrap();
-    let answer = next_answer(&mut hb.events).await;
-    assert_eq!(answer.ask_id, 1);
+    let answer = ask_on(&mut hb, 1, member("b", 0), CALL_TIMEOUT).await;
     assert_eq!(Code::from(answer.code), Code::PermissionDenied);
     assert!(
         answer.message.contains("\"b\"") && answer.message.contains("itself"),
@@ -902,31 +913,13 @@ async fn a_bad_or_unanswerable_ask_is_refused_on_the_stream_which_serves_on() {
     );
     assert!(answer.quorum.is_empty());
 
-    hb.beats
-        .send(ask_beat(2, member("a", 0), Duration::ZERO))
-        .await
-        .unwrap();
-    let answer = next_answer(&mut hb.events).await;
-    assert_eq!(
-        (answer.ask_id, Code::from(answer.code)),
-        (2, Code::InvalidArgument),
-        "{}",
-        answer.message
-    );
+    let answer = ask_on(&mut hb, 2, member("a", 0), Duration::ZERO).await;
+    assert_eq!(Code::from(answer.code), Code::InvalidArgument);
     assert!(answer.message.contains("timeout"), "{}", answer.message);
 
     // Alone, with two groups needed: the wait runs out, and the answer says why.
-    hb.beats
-        .send(ask_beat(3, member("a", 0), Duration::from_millis(300)))
-        .await
-        .unwrap();
-    let answer = next_answer(&mut hb.events).await;
-    assert_eq!(
-        (answer.ask_id, Code::from(answer.code)),
-        (3, Code::DeadlineExceeded),
-        "{}",
-        answer.message
-    );
+    let answer = ask_on(&mut hb, 3, member("a", 0), Duration::from_millis(300)).await;
+    assert_eq!(Code::from(answer.code), Code::DeadlineExceeded);
     assert!(
         answer.message.contains("no quorum within"),
         "{}",
@@ -934,13 +927,12 @@ async fn a_bad_or_unanswerable_ask_is_refused_on_the_stream_which_serves_on() {
     );
 
     // The stream still serves: with a second group, the next ask gets its quorum.
-    hb.beats
-        .send(ask_beat(4, member("a", 0), CALL_TIMEOUT))
-        .await
-        .unwrap();
-    answers(vec![ask(&client(addr), member("b", 0), 0)]).await;
-    let answer = next_answer(&mut hb.events).await;
-    assert_eq!((answer.ask_id, answer.code), (4, 0), "{}", answer.message);
+    let b = ask(&client(addr), member("b", 0), 0);
+    let answer = ask_on(&mut hb, 4, member("a", 0), CALL_TIMEOUT).await;
+    assert_eq!(answer.code, 0, "{}", answer.message);
+    let by_call = answers(vec![b]).await;
+    let quorum = proto::Quorum::decode(answer.quorum).expect("an encoded quorum");
+    assert_eq!(quorum.quorum_id, by_call[0].quorum_id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
