@@ -5,8 +5,10 @@
 
 tonic::include_proto!("phalanx.v1");
 
-/// The protocol version this build speaks; every request carries it.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version this build speaks; every request carries it. Version 2: a
+/// group asks for its quorums on its heartbeat stream, and relies on the lighthouse to
+/// answer there (a version 1 lighthouse would take the ask for a beat and never answer).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 impl From<Member> for crate::quorum::Member {
     fn from(m: Member) -> Self {
