@@ -1138,3 +1138,47 @@ async fn an_idle_connection_is_closed_and_the_client_reconnects_unnoticed() {
     tokio::time::sleep(2 * TIGHT.idle).await;
     status_rpc(&c).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_asks_on_one_stream_leaves_only_the_last_one_waiting() {
+    let (_lighthouse, addr) = start(2).await;
+    let mut hb = open_heartbeat(&client(addr), "a")
+        .await
+        .expect("stream opens");
+    let _beating = keep_beating(hb.beats.clone(), "a");
+    const ASKS: u64 = 200;
+    for ask_id in 1..=ASKS {
+        hb.beats
+            .send(ask_beat(ask_id, member("a", 0), CALL_TIMEOUT))
+            .await
+            .expect("stream open");
+    }
+
+    // Counted once joined: from then on the last ask is the one waiting.
+    let counted = format!("phalanx_lighthouse_quorum_requests_total{{via=\"stream\"}} {ASKS}");
+    eventually("every ask taken", PATIENCE, || async {
+        http_get(addr, "/metrics", None).await.1.contains(&counted)
+    })
+    .await;
+
+    // Each ask withdrew the one before it: only the last is answered with the quorum;
+    // earlier ones are answered as superseded, never with a quorum.
+    let by_call = answers(vec![ask(&client(addr), member("b", 0), 0)]).await;
+    let last = loop {
+        let answer = next_answer(&mut hb.events).await;
+        if answer.ask_id == ASKS {
+            break answer;
+        }
+        assert_ne!(
+            answer.code, 0,
+            "superseded ask {} got a quorum",
+            answer.ask_id
+        );
+    };
+    assert_eq!(last.code, 0, "{}", last.message);
+    let quorum = proto::Quorum::decode(last.quorum).expect("an encoded quorum");
+    assert_eq!(quorum.quorum_id, by_call[0].quorum_id);
+    assert_eq!(ids(&quorum), ["a", "b"]);
+    let status = status_rpc(&client(addr)).await;
+    assert!(status.replicas.iter().all(|r| !r.joined), "{status:?}");
+}

@@ -160,42 +160,35 @@ impl Shared {
         last_quorum_id: u64,
         timeout: Duration,
     ) -> Result<Bytes, Status> {
+        self.join(member, last_quorum_id)?.wait(timeout).await
+    }
+
+    /// Joins `member` to the next quorum now; the join is withdrawn when the returned
+    /// wait is dropped before its quorum came.
+    fn join(
+        self: &Arc<Self>,
+        member: proto::Member,
+        last_quorum_id: u64,
+    ) -> Result<Joined, Status> {
         let replica_id = member.replica_id.clone();
-        let (reply_tx, reply_rx) = oneshot::channel();
-        let ticket = {
-            let mut st = self.lock();
-            let now = Instant::now();
-            self.admit(now)?;
-            let ticket = refuse(
-                self,
-                Refusal::DuplicateReplica,
-                st.join(member.into(), last_quorum_id, now, reply_tx),
-            )?;
-            self.joined(&mut st, now);
-            ticket
-        };
-        let mut guard = LeaveOnDrop {
-            shared: self.clone(),
-            replica_id,
-            ticket: Some(ticket),
-        };
-        match tokio::time::timeout(timeout, reply_rx).await {
-            Ok(Ok(reply)) => {
-                guard.ticket = None;
-                reply
-            }
-            Ok(Err(_)) => {
-                guard.ticket = None;
-                Err(Status::unavailable("the lighthouse is shutting down"))
-            }
-            Err(_) => {
-                let reason = self.lock().waiting_reason(Instant::now()).to_string();
-                Err(Status::deadline_exceeded(format!(
-                    "no quorum within {:.3} s: {reason}",
-                    timeout.as_secs_f64()
-                )))
-            }
-        }
+        let (reply_tx, reply) = oneshot::channel();
+        let mut st = self.lock();
+        let now = Instant::now();
+        self.admit(now)?;
+        let ticket = refuse(
+            self,
+            Refusal::DuplicateReplica,
+            st.join(member.into(), last_quorum_id, now, reply_tx),
+        )?;
+        self.joined(&mut st, now);
+        Ok(Joined {
+            reply,
+            leave: LeaveOnDrop {
+                shared: self.clone(),
+                replica_id,
+                ticket: Some(ticket),
+            },
+        })
     }
 
     /// Answers a quorum request that came on `replica_id`'s heartbeat stream, on the
@@ -207,12 +200,14 @@ impl Shared {
         last_quorum_id: u64,
         events: mpsc::WeakSender<Result<proto::LighthouseEvent, Status>>,
     ) -> AbortOnDropHandle<()> {
+        // Joined before this returns, so the stream's next ask supersedes this one in
+        // the order the group sent them.
+        let joined = refuse(self, Refusal::Invalid, validate::ask(&ask, replica_id))
+            .and_then(|(member, timeout)| Ok((self.join(member, last_quorum_id)?, timeout)));
         self.metrics.quorum_request(Via::Stream).inc();
-        let shared = self.clone();
-        let checked = refuse(self, Refusal::Invalid, validate::ask(&ask, replica_id));
         AbortOnDropHandle::new(tokio::spawn(async move {
-            let answered = match checked {
-                Ok((member, timeout)) => shared.quorum_for(member, last_quorum_id, timeout).await,
+            let answered = match joined {
+                Ok((joined, timeout)) => joined.wait(timeout).await,
                 Err(status) => Err(status),
             };
             let answer = match answered {
@@ -291,6 +286,35 @@ impl Drop for LeaveOnDrop {
             let mut st = self.shared.lock();
             st.leave(&self.replica_id, ticket);
             self.shared.evaluate(&mut st, Instant::now());
+        }
+    }
+}
+
+/// A join waiting for its quorum.
+struct Joined {
+    reply: oneshot::Receiver<super::state::QuorumReply>,
+    leave: LeaveOnDrop,
+}
+
+impl Joined {
+    async fn wait(mut self, timeout: Duration) -> Result<Bytes, Status> {
+        let shared = self.leave.shared.clone();
+        match tokio::time::timeout(timeout, &mut self.reply).await {
+            Ok(Ok(reply)) => {
+                self.leave.ticket = None;
+                reply
+            }
+            Ok(Err(_)) => {
+                self.leave.ticket = None;
+                Err(Status::unavailable("the lighthouse is shutting down"))
+            }
+            Err(_) => {
+                let reason = shared.lock().waiting_reason(Instant::now()).to_string();
+                Err(Status::deadline_exceeded(format!(
+                    "no quorum within {:.3} s: {reason}",
+                    timeout.as_secs_f64()
+                )))
+            }
         }
     }
 }
