@@ -13,8 +13,10 @@ SIGCONT. `--hold-at STEP` (same condition) holds only the training thread, befor
 backward, so that its peers' all-reduce waits for its part (the heartbeat goes on),
 until the test sends SIGUSR1. The condition reads the previous step's quorum there.
 With `--hold-gil` it holds in a C call that keeps the GIL (no Python thread of the
-process runs). With `--hold-after-vote` it holds after its vote instead, before it asks for the
-next quorum (nobody waits on it then).
+process runs); with `--in-wait` too, it does so inside a wait on the other groups that
+its progress reporter has reported (so its last report says it waits). With
+`--hold-after-vote` it holds after its vote instead, before it asks for the next
+quorum (nobody waits on it then).
 `--hold-in-heal` holds the training thread the same way inside its first heal, as it
 loads the state it fetched.
 """
@@ -78,10 +80,17 @@ class Pause:
             print(json.dumps({"event": "pausing", "phase": phase, "step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def held(self, step: int, *, gil: bool = False) -> None:
+    def held(self, step: int, *, gil: bool = False, in_wait: bool = False) -> None:
         """Holds the training thread (only) until SIGUSR1, once; or, with `gil`, for
-        60 s in a C call that keeps the GIL, which freezes every Python thread."""
+        60 s in a C call that keeps the GIL, which freezes every Python thread; with
+        `in_wait` too, inside a 60 s wait that has been reported."""
         self.phase = None
+        if in_wait:
+            progress = self.manager._rank.progress
+            with progress.waiting("a wait the test holds in", 60.0):
+                time.sleep(3 * progress.interval)
+                self.held(step, gil=gil)
+            return
         print(json.dumps({"event": "holding", "step": step}), flush=True)
         if gil:
             ctypes.PyDLL(None).sleep(60)
@@ -150,6 +159,11 @@ def parse_args() -> argparse.Namespace:
         help="hold in a C call that keeps the GIL (for 60 s) instead: no thread runs",
     )
     parser.add_argument(
+        "--in-wait",
+        action="store_true",
+        help="with --hold-gil: hold inside a wait on the others its reporter reported",
+    )
+    parser.add_argument(
         "--hold-after-vote",
         action="store_true",
         help="hold at --hold-at after the step's vote (before the next quorum) instead",
@@ -213,7 +227,7 @@ def main() -> None:
             # Before its backward: its peers' all-reduce waits for its part. Checked again
             # on this step's own quorum (due() reads the previous one until it is taken):
             # a quorum formed without this group would leave nobody waiting on it.
-            hold.held(step, gil=args.hold_gil)
+            hold.held(step, gil=args.hold_gil, in_wait=args.in_wait)
         loss.backward()
         pause.at("in_allreduce", step)
         committed = optimizer.step()

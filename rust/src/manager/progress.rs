@@ -29,14 +29,18 @@ struct RankProgress {
     moved_at: Instant,
     /// While waiting: since when, and when the wait's deadline passes.
     waiting: Option<(Instant, Instant)>,
+    /// When this report came.
+    reported_at: Instant,
 }
 
 impl RankProgress {
-    /// The last instant this rank counts as having made progress: a move, or any
-    /// instant inside a wait that is still within its deadline.
+    /// The last instant this rank counts as having made progress: a move, or a report
+    /// from inside a wait that is still within its deadline. Only a report: a rank
+    /// whose reports stop has a frozen interpreter, whatever its last one said (its
+    /// wait may well have ended, and its training thread hung right after).
     fn progressed_at(&self, now: Instant) -> Instant {
         match self.waiting {
-            Some((_, deadline)) => self.moved_at.max(deadline.min(now)),
+            Some((_, deadline)) => self.moved_at.max(deadline.min(self.reported_at).min(now)),
             None => self.moved_at,
         }
     }
@@ -59,15 +63,18 @@ pub struct Board {
 impl Board {
     pub fn report(&mut self, rank: u32, report: RankReport, now: Instant) {
         let previous = self.ranks.get(&rank);
-        let moved_at = match previous {
-            Some(p) if p.report.marks == report.marks => p.moved_at,
-            _ => now,
-        };
+        let still = previous.filter(|p| p.report.marks == report.marks);
+        let moved_at = still.map_or(now, |p| p.moved_at);
         let waiting = report.wait_left.map(|left| {
             let since = previous
                 .and_then(|p| p.waiting)
                 .map_or(now, |(since, _)| since);
-            (since, now + left)
+            // Entering a wait moves the marks: unmoved, it is the same wait, and its
+            // first deadline holds (a wait overrun reports 0 left, again and again).
+            match still.and_then(|p| p.waiting) {
+                Some((_, deadline)) => (since, deadline),
+                None => (since, now + left),
+            }
         });
         self.ranks.insert(
             rank,
@@ -75,6 +82,7 @@ impl Board {
                 report,
                 moved_at,
                 waiting,
+                reported_at: now,
             },
         );
     }
@@ -146,18 +154,48 @@ mod tests {
     fn a_wait_within_its_deadline_is_progress_and_past_it_is_not() {
         let t = Instant::now();
         let mut board = Board::default();
-        let waiting = RankReport {
-            wait_left: Some(ms(2000)),
-            ..moving(7)
-        };
-        board.report(0, waiting, t);
-        board.report(0, waiting, t + ms(1000));
-        let s = board.summary(t + ms(1500));
+        let deadline = t + ms(3000);
+        for n in [0, 1000, 2000, 2500] {
+            board.report(0, waiting_until(deadline, t + ms(n)), t + ms(n));
+        }
+        let s = board.summary(t + ms(2500));
         assert_eq!(s.progress_age, Duration::ZERO);
-        assert_eq!(s.waiting, ms(1500), "the wait counts from its first report");
-        // Reports stop (a frozen interpreter): the last deadline reported holds.
-        let s = board.summary(t + ms(5000));
-        assert_eq!(s.progress_age, ms(2000));
+        assert_eq!(s.waiting, ms(2500), "the wait counts from its first report");
+        // The wait overruns its deadline: reports of 0 left do not move it.
+        for n in [3500, 4500] {
+            board.report(0, waiting_until(deadline, t + ms(n)), t + ms(n));
+        }
+        assert_eq!(board.summary(t + ms(4500)).progress_age, ms(1500));
+        // The next wait moves the marks and brings its own deadline.
+        let next = t + ms(9000);
+        for n in [4600, 8000] {
+            let report = RankReport {
+                wait_left: Some(next.saturating_duration_since(t + ms(n))),
+                ..moving(8)
+            };
+            board.report(0, report, t + ms(n));
+        }
+        assert_eq!(board.summary(t + ms(8000)).progress_age, Duration::ZERO);
+    }
+
+    /// A report from inside a wait whose deadline is `deadline`, sent at `now`.
+    fn waiting_until(deadline: Instant, now: Instant) -> RankReport {
+        RankReport {
+            wait_left: Some(deadline.saturating_duration_since(now)),
+            ..moving(7)
+        }
+    }
+
+    #[test]
+    fn a_rank_whose_reports_stop_inside_a_wait_stops_moving_at_its_last_report() {
+        // Its interpreter froze: the wait may have ended at once and its training
+        // thread hung right after, so the rest of the wait's deadline is no excuse.
+        let t = Instant::now();
+        let mut board = Board::default();
+        board.report(0, waiting_until(t + ms(10_000), t), t);
+        board.report(0, waiting_until(t + ms(10_000), t + ms(500)), t + ms(500));
+        assert_eq!(board.summary(t + ms(4000)).progress_age, ms(3500));
+        assert_eq!(board.summary(t + ms(12_000)).progress_age, ms(11_500));
     }
 
     #[test]
