@@ -100,7 +100,8 @@ class Progress:
     @contextmanager
     def waiting(self, doing: str, timeout: float) -> Iterator[None]:
         """The training thread waits on the other groups, for at most `timeout`
-        seconds: it counts as moving until then."""
+        seconds: it counts as moving until then, for as long as this reporter
+        reports (a frozen interpreter ages from its last report)."""
         outer = (self.doing, self._wait_deadline)
         self.mark(f"waiting: {doing}")
         started = time.monotonic()
