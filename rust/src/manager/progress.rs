@@ -65,17 +65,15 @@ impl Board {
         let previous = self.ranks.get(&rank);
         let still = previous.filter(|p| p.report.marks == report.marks);
         let moved_at = still.map_or(now, |p| p.moved_at);
-        let waiting = report.wait_left.map(|left| {
-            let since = previous
-                .and_then(|p| p.waiting)
-                .map_or(now, |(since, _)| since);
-            // Entering a wait moves the marks: unmoved, it is the same wait, and its
-            // first deadline holds (a wait overrun reports 0 left, again and again).
-            match still.and_then(|p| p.waiting) {
-                Some((_, deadline)) => (since, deadline),
-                None => (since, now + left),
-            }
-        });
+        // Entering a wait moves the marks: unmoved, it is the same wait, and its first
+        // deadline holds (a wait overrun reports 0 left, again and again).
+        let waiting = report
+            .wait_left
+            .map(|left| match previous.and_then(|p| p.waiting) {
+                Some(same) if still.is_some() => same,
+                Some((since, _)) => (since, now + left),
+                None => (now, now + left),
+            });
         self.ranks.insert(
             rank,
             RankProgress {
