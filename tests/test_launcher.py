@@ -13,13 +13,20 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import phalanx
 from phalanx.launcher import (
+    MAX_BACKOFF,
     Chaos,
+    CommitWatch,
+    Exit,
     LaunchConfig,
     Launcher,
     LaunchObserver,
+    RestartCount,
+    Sighting,
     build_parser,
     rank_mode,
     resolve,
@@ -195,7 +202,106 @@ def test_a_failing_group_is_restarted_with_backoff_then_given_up():
 
     assert done.returncode == 1
     assert len(reports(done.stdout)) == 3, "the first run and two restarts"
-    assert "gave up after 2 restart(s)" in done.stdout
+    assert "restarting group0 in 0.1 s (failed: 2 failures and 0 evictions" in done.stdout
+    assert "gave up after 2 restart(s): 3 failures and 0 evictions" in done.stdout
+    assert "group0: 2 restart(s); exits: 3 failed; given up" in done.stdout, "the summary"
+
+
+def test_evictions_as_stalled_are_counted_apart_from_failures():
+    # A rank that exits as the watchdog does when the lighthouse evicts its group.
+    done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "0", "75")
+
+    assert done.returncode == 1
+    assert "restarting group0 in 0.1 s (evicted as stalled: 0 failures and 1 eviction" in (
+        done.stdout
+    )
+    assert "gave up after 1 restart(s): 0 failures and 2 evictions as stalled" in done.stdout
+    assert "group0: 1 restart(s); exits: 2 evicted as stalled; given up" in done.stdout
+
+
+def test_a_negative_max_restarts_is_refused_saying_what_it_means():
+    done = launch("--max-restarts", "-1", "--", RANK, "0", "0")
+
+    assert done.returncode == 2
+    assert "--max-restarts -1: give 0 or more, the failures in a row" in done.stderr
+    assert not reports(done.stdout), "no rank started"
+
+
+#: A training script that trains a tiny model with phalanx and prints nothing, as a
+#: user's may: the launcher must learn from the lighthouse that its group commits.
+QUIET_TRAIN = """
+import time
+
+import torch
+from torch import nn
+
+import phalanx
+
+model = nn.Linear(4, 1)
+manager = phalanx.Manager(timeout=10.0)
+ddp = phalanx.DistributedDataParallel(model, manager)
+optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
+while True:
+    optimizer.zero_grad()
+    ddp(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    time.sleep(0.02)
+"""
+
+
+def test_a_group_that_commits_between_its_failures_gets_its_restarts_back(tmp_path):
+    script = tmp_path / "quiet_train.py"
+    script.write_text(QUIET_TRAIN)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--max-restarts", "1"]
+        + ["--restart-backoff", "0.2", "--", str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+
+    def wait_for(text: str) -> str:
+        """The next line of the launcher's that holds `text`."""
+        while True:
+            assert time.monotonic() < deadline, "".join(lines)
+            line = launcher.stdout.readline()
+            assert line, "phalanx run ended first:\n" + "".join(lines)
+            lines.append(line)
+            if text in line:
+                return line
+
+    def life_of_group0(commits: bool) -> None:
+        """Waits for group0 to start (and, if `commits`, for the launcher to see it
+        commit a step), then kills its rank."""
+        pid = int(wait_for("started group0 (").rsplit("pids ", 1)[1].rstrip(")\n"))
+        if commits:
+            wait_for("group0 committed a step in this life")
+        os.kill(pid, signal.SIGKILL)
+
+    try:
+        life_of_group0(commits=False)
+        assert "(failed: 1 failure and 0 evictions" in wait_for("restarting group0")
+        # Twice more than --max-restarts 1 allows in all: each life committed, so each
+        # failure is the first in a row again, and its backoff the first.
+        for _ in range(2):
+            life_of_group0(commits=True)
+            assert "in 0.2 s (failed: 1 failure and 0 evictions" in wait_for("restarting group0")
+        life_of_group0(commits=False)
+        gave_up = wait_for("group0 gave up")
+        assert "after 3 restart(s): 2 failures and 0 evictions as stalled in a row" in gave_up
+        launcher.send_signal(signal.SIGTERM)
+        rest, _ = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    log = "".join(lines) + rest
+    assert "group0: 3 restart(s); exits: 4 failed; given up" in log
+    assert "gave up" not in "".join(lines[:-1]), "given up only at the end"
+    assert '"committed"' not in log, "the ranks printed no step records"
 
 
 def run_until(args: list[str], enough: Callable[[list[str]], bool], within: float) -> str:
@@ -457,3 +563,150 @@ def test_the_launch_config_is_the_command_line_typed():
     assert config.replica_ids() == ["group0", "group1"]
     with pytest.raises(ValueError, match="--replicas and --nproc-per-replica"):
         LaunchConfig(command=("x",), replicas=0)
+
+
+# -- the restart rule ---------------------------------------------------------------
+
+
+def exits(count: RestartCount, *causes: Exit, committed: bool = False) -> RestartCount:
+    for cause in causes:
+        count = count.after(cause, committed=committed)
+    return count
+
+
+def test_failures_in_a_row_use_up_the_budget_and_a_commit_gives_it_back():
+    count = exits(RestartCount(), Exit.FAILED, Exit.FAILED)
+    assert not count.exceeds(max_restarts=2)
+    assert exits(count, Exit.FAILED).exceeds(max_restarts=2)
+    # The group trained in the life that ended with this failure: it is the first again.
+    forgiven = count.after(Exit.FAILED, committed=True)
+    assert forgiven == RestartCount(failed=1)
+    assert not forgiven.exceeds(max_restarts=1)
+    assert RestartCount(failed=1).exceeds(max_restarts=0), "0: never restart"
+
+
+def test_evictions_as_stalled_have_a_budget_of_their_own():
+    count = exits(RestartCount(), Exit.STALLED, Exit.FAILED, Exit.STALLED)
+    assert count == RestartCount(failed=1, stalled=2)
+    assert not count.exceeds(max_restarts=2), "two of each, not four of one"
+    assert exits(count, Exit.STALLED).exceeds(max_restarts=2)
+    assert exits(count, Exit.FAILED, Exit.FAILED).exceeds(max_restarts=2)
+
+
+def test_chaos_counts_nothing_but_a_commit_before_it_still_forgives():
+    count = RestartCount(failed=3, stalled=1)
+    assert exits(count, Exit.CHAOS, Exit.CHAOS) == count
+    assert count.after(Exit.CHAOS, committed=True) == RestartCount()
+
+
+def test_the_backoff_doubles_in_a_row_and_starts_again_after_a_commit():
+    count, waits = RestartCount(), []
+    for _ in range(8):
+        count = count.after(Exit.FAILED, committed=False)
+        waits.append(count.backoff(first=0.5))
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, MAX_BACKOFF, MAX_BACKOFF, MAX_BACKOFF]
+    assert count.after(Exit.STALLED, committed=True).backoff(first=0.5) == 0.5
+
+
+@given(st.lists(st.tuples(st.sampled_from(Exit), st.booleans()), max_size=40))
+def test_the_count_is_the_exits_since_the_last_life_that_committed(lives):
+    """Each life ends with an exit, and may have committed a step before it."""
+    count = RestartCount()
+    for cause, committed in lives:
+        count = count.after(cause, committed)
+    since = 0
+    for i, (_, committed) in enumerate(lives):
+        if committed:
+            since = i
+    tail = [cause for cause, _ in lives[since:]]
+    assert count.failed == tail.count(Exit.FAILED)
+    assert count.stalled == tail.count(Exit.STALLED)
+    if all(committed for _, committed in lives):
+        assert not count.exceeds(max_restarts=1), "a group that trains in every life stays"
+
+
+@pytest.mark.parametrize(
+    ("codes", "killed", "hung", "cause"),
+    [
+        ([1], False, False, Exit.FAILED),
+        ([-9, None], False, False, Exit.FAILED),
+        ([None, 75], False, False, Exit.STALLED),
+        ([-9], True, False, Exit.CHAOS),
+        ([75], False, True, Exit.CHAOS),
+        ([1], False, True, Exit.FAILED),  # a thread hang that did not end as stalled
+    ],
+)
+def test_an_exit_is_a_failure_an_eviction_as_stalled_or_chaos(codes, killed, hung, cause):
+    assert Exit.of(codes, chaos_killed=killed, chaos_hung=hung) is cause
+
+
+STREAM, NEXT_LIFE = "10.0.0.3:40112", "10.0.0.3:40188"
+
+
+def looks(*sightings: Sighting | None) -> list[bool]:
+    watch = CommitWatch()
+    return [watch.see(s) for s in sightings]
+
+
+def level(step: int, stream: str = STREAM, peers: int | None = None) -> Sighting:
+    return Sighting(stream, in_quorum=True, step=step, peers_step=step if peers is None else peers)
+
+
+def test_a_heal_is_not_a_commit_but_steps_from_level_with_the_peers_are():
+    healing = Sighting(STREAM, in_quorum=True, step=0, peers_step=296)
+    # Restarted at step 0, healed to the peers' 296: no step of its own yet.
+    assert looks(healing, level(296)) == [False, False]
+    assert looks(healing, level(296), level(296), level(301)) == [False, False, False, True]
+
+
+def test_a_lone_group_commits_from_its_own_first_step():
+    alone = [Sighting(STREAM, in_quorum=True, step=n) for n in (0, 0, 4)]
+    assert looks(*alone) == [False, False, True]
+
+
+def test_a_look_at_the_life_before_is_not_compared_with_this_one():
+    # The lighthouse still showed the previous life at 296; this life healed to 297.
+    assert looks(level(296), level(297, stream=NEXT_LIFE)) == [False, False]
+    assert looks(level(296), level(297, stream=NEXT_LIFE), level(298, stream=NEXT_LIFE))[-1]
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        Sighting(STREAM, in_quorum=True, step=120, peers_step=121),  # behind: it will heal
+        Sighting(STREAM, in_quorum=False, step=120, peers_step=None),  # outside the quorum
+        Sighting("", in_quorum=True, step=120),  # no heartbeat stream to tell lives apart
+        None,  # not live at the lighthouse
+    ],
+)
+def test_a_look_that_is_not_level_starts_over(between):
+    assert looks(level(120), between, level(125)) == [False, False, False]
+    assert looks(level(120), between, level(125), level(126))[-1]
+
+
+def test_once_seen_committing_a_life_stays_so():
+    watch = CommitWatch()
+    assert [watch.see(s) for s in (level(3), level(4), None, level(0))] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    assert watch.committed
+
+
+def test_a_sighting_reads_the_group_and_its_quorum_peers_from_a_status():
+    from types import SimpleNamespace as Row  # stands for LighthouseStatus (Rust-built)
+
+    status = Row(
+        quorum_members=["g0", "g1", "g2"],
+        replicas=[
+            Row(replica_id="g0", peer="h0:1", in_quorum=True, step=0),
+            Row(replica_id="g1", peer="h1:1", in_quorum=True, step=41),
+            Row(replica_id="g3", peer="h3:1", in_quorum=False, step=90),  # not a member
+        ],
+    )
+    assert Sighting.of(status, "g0") == Sighting("h0:1", True, 0, peers_step=41)
+    assert Sighting.of(status, "g1") == Sighting("h1:1", True, 41, peers_step=0)
+    assert Sighting.of(status, "g2") is None, "a member the lighthouse lost"
+    assert Sighting.of(status, "g3") == Sighting("h3:1", False, 90, peers_step=41)

@@ -11,7 +11,9 @@ that job, which is how a multi-host job is started (one `phalanx run --replicas 
 job always has a token: without --token or --token-file (or PHALANX_TOKEN /
 PHALANX_TOKEN_FILE) the launcher makes a random one, for its lighthouse and ranks.
 A group is all or nothing: when one of its ranks dies, the rest are stopped and the
-group restarts (with backoff, up to --max-restarts times).
+group restarts, with backoff, up to --max-restarts failures in a row: a group that
+committed a step since its last start has its count, and its backoff, start again
+(`RestartCount`, `CommitWatch`).
 Python ranks are forked by a fork server that imported torch once (phalanx.forkserver),
 so a restarted rank starts at once: `python -m module` or `python train.py`, where
 PATH finds that `python` to be the launcher's own interpreter. The log's "ranks:" line
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import os
 import random
 import selectors
@@ -31,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -172,6 +176,10 @@ class LaunchConfig:
     Traceback (most recent call last):
     ...
     ValueError: give the training command after --, e.g. -- train.py --lr 0.1
+    >>> LaunchConfig(command=("train.sh",), max_restarts=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: --max-restarts -1: give 0 or more, the failures in a row (without a ...
     """
 
     #: The training command each rank runs.
@@ -187,6 +195,8 @@ class LaunchConfig:
     heartbeat_timeout: float = 2.0
     #: The group's id; with several replicas, the prefix of their ids.
     replica_id: str | None = None
+    #: Failures in a row (without a committed step in between) a group is restarted
+    #: after; evictions as stalled are counted apart, against as many (`RestartCount`).
     max_restarts: int = 10
     restart_backoff: float = 0.5
     #: MASTER_ADDR of the ranks: where each group's rank 0 listens.
@@ -200,6 +210,14 @@ class LaunchConfig:
             raise ValueError("give the training command after --, e.g. -- train.py --lr 0.1")
         if self.replicas < 1 or self.nproc_per_replica < 1:
             raise ValueError("--replicas and --nproc-per-replica must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"--max-restarts {self.max_restarts}: give 0 or more, the failures in a row "
+                "(without a committed step) after which a group is given up on; 0: never "
+                "restart a failed group"
+            )
+        if self.restart_backoff < 0:
+            raise ValueError(f"--restart-backoff {self.restart_backoff:g}: give 0 or more seconds")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, command: list[str]) -> LaunchConfig:
@@ -263,12 +281,190 @@ class LaunchObserver:
         return True
 
 
+class Exit(enum.Enum):
+    """Why a group's ranks ended, as far as --max-restarts cares."""
+
+    #: A failure of the group's own: a crash, a kill from outside, a non-zero exit.
+    FAILED = "failed"
+    #: Evicted by the lighthouse as stalled (a rank exited `watchdog.EXIT_STALLED`),
+    #: often because of another group that everybody waited on.
+    STALLED = "evicted as stalled"
+    #: Injected by --chaos: never counted.
+    CHAOS = "by chaos"
+
+    @classmethod
+    def of(cls, codes: list[int | None], *, chaos_killed: bool, chaos_hung: bool) -> Exit:
+        """The cause of a failed group's exit, from its ranks' exit codes so far.
+
+        >>> Exit.of([1, None], chaos_killed=False, chaos_hung=False)
+        <Exit.FAILED: 'failed'>
+        >>> Exit.of([75], chaos_killed=False, chaos_hung=False)
+        <Exit.STALLED: 'evicted as stalled'>
+        >>> Exit.of([75], chaos_killed=False, chaos_hung=True)
+        <Exit.CHAOS: 'by chaos'>
+        """
+        stalled = watchdog.EXIT_STALLED in codes
+        if chaos_killed or (stalled and chaos_hung):
+            return cls.CHAOS
+        return cls.STALLED if stalled else cls.FAILED
+
+
+#: The longest wait before a restart, however many failures came in a row.
+MAX_BACKOFF = 10.0
+#: How often the launcher looks at the lighthouse's status for a group that has not
+#: committed in its life yet (`CommitWatch`); how long one look may take; how long it
+#: waits after a look that got no answer.
+SIGHTING_EVERY = 0.5
+SIGHTING_TIMEOUT = 1.0
+SIGHTING_AWAY = 5.0
+
+
+@dataclass(frozen=True)
+class RestartCount:
+    """A group's failures since it last committed a step: what --max-restarts bounds.
+
+    A group that trained since its last (re)start failed for a new reason, if any: it
+    starts from a full budget, and from the first backoff, again. Evictions as stalled
+    are counted apart, with a budget of their own: the group the lighthouse evicts is
+    often not the one at fault (it waited on another), so an eviction does not use up
+    the budget of the group's own failures, but a group evicted again and again
+    without a commit in between is stuck all the same.
+
+    >>> count = RestartCount().after(Exit.FAILED, committed=False)
+    >>> count = count.after(Exit.STALLED, committed=False)
+    >>> count, count.exceeds(max_restarts=1), count.backoff(first=0.5)
+    (RestartCount(failed=1, stalled=1), False, 1.0)
+    >>> count.after(Exit.FAILED, committed=False).exceeds(max_restarts=1)
+    True
+    >>> count.after(Exit.FAILED, committed=True)  # it trained in between
+    RestartCount(failed=1, stalled=0)
+    """
+
+    failed: int = 0
+    stalled: int = 0
+
+    def after(self, cause: Exit, committed: bool) -> RestartCount:
+        """The count once the group exited for `cause`; `committed`: it committed a
+        step in the life that just ended."""
+        count = RestartCount() if committed else self
+        return RestartCount(
+            failed=count.failed + (cause is Exit.FAILED),
+            stalled=count.stalled + (cause is Exit.STALLED),
+        )
+
+    def exceeds(self, max_restarts: int) -> bool:
+        """Whether the group is given up on: more failures, or more evictions as
+        stalled, in a row than --max-restarts allows."""
+        return max(self.failed, self.stalled) > max_restarts
+
+    def backoff(self, first: float) -> float:
+        """The wait before the next restart: `first`, doubled for each exit in a row
+        after the first, up to `MAX_BACKOFF`."""
+        in_a_row = self.failed + self.stalled
+        return min(MAX_BACKOFF, first * 2 ** max(0, in_a_row - 1))
+
+    def __str__(self) -> str:
+        """
+        >>> print(RestartCount(failed=1, stalled=2))
+        1 failure and 2 evictions as stalled in a row
+        """
+        failures = "failure" if self.failed == 1 else "failures"
+        evictions = "eviction" if self.stalled == 1 else "evictions"
+        return f"{self.failed} {failures} and {self.stalled} {evictions} as stalled in a row"
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """A group as one look at the lighthouse's status shows it."""
+
+    #: Where its heartbeat stream comes from (empty: unknown). Each life of a group
+    #: opens its own, so a status that still shows the life before is told apart.
+    stream: str
+    in_quorum: bool
+    #: The step it asked its last quorum with.
+    step: int
+    #: The highest step among the other live members of the current quorum (None:
+    #: it has none).
+    peers_step: int | None = None
+
+    @classmethod
+    def of(cls, status: _core.LighthouseStatus, replica_id: str) -> Sighting | None:
+        """`replica_id` in `status`; None when the lighthouse knows no live group of
+        that id."""
+        steps = {r.replica_id: r.step for r in status.replicas}
+        me = next((r for r in status.replicas if r.replica_id == replica_id), None)
+        if me is None:
+            return None
+        peers = [steps[m] for m in status.quorum_members if m != replica_id and m in steps]
+        return cls(me.peer, me.in_quorum, me.step, max(peers, default=None))
+
+    @property
+    def level(self) -> bool:
+        """A member of the current quorum with no peer ahead of it: where a heal
+        brings a group, and from where only its own commits move it on."""
+        ahead = self.peers_step is not None and self.peers_step > self.step
+        return bool(self.stream) and self.in_quorum and not ahead
+
+
+@dataclass
+class CommitWatch:
+    """Whether a group committed a step in its current life, from the lighthouse's
+    status taken now and then (`see`).
+
+    Why the lighthouse, and not the step records ranks may print: a training script
+    need print nothing, and what it prints is its own; but every group that trains
+    with phalanx asks the lighthouse for its quorums, with its step, whatever the
+    script prints. That step grows in two ways: by a commit, or by a heal, which
+    jumps to the step of the peers the group fetched its state from. A heal brings a
+    group level with its peers, never past them; so a group is seen committing when
+    it stands level with its peers in two looks of the same life and its step grew
+    in between. A look in which it is behind, or outside the quorum, or on another
+    heartbeat stream (the life before; a new lighthouse), starts over.
+
+    A group that commits and fails between two looks is not seen (its failure
+    counts, as it would have anyway); one that falls behind its peers, heals, and is
+    level again between two looks passes for one that committed: it has rejoined the
+    job at its newest state, which is all a restart is for.
+
+    >>> watch = CommitWatch()
+    >>> watch.see(Sighting("10.0.0.3:5041", in_quorum=True, step=0, peers_step=120))
+    False
+    >>> watch.see(Sighting("10.0.0.3:5041", in_quorum=True, step=120, peers_step=120))
+    False
+    >>> watch.see(Sighting("10.0.0.3:5041", in_quorum=True, step=127, peers_step=127))
+    True
+    >>> watch.committed
+    True
+    """
+
+    #: (stream, step) of the last look in which it stood level with its peers.
+    level_at: tuple[str, int] | None = None
+    committed: bool = False
+
+    def see(self, sighting: Sighting | None) -> bool:
+        """Takes one look; True when it is the first to show a commit."""
+        if self.committed:
+            return False
+        if sighting is None or not sighting.level:
+            self.level_at = None
+            return False
+        was, self.level_at = self.level_at, (sighting.stream, sighting.step)
+        self.committed = was is not None and was[0] == sighting.stream and sighting.step > was[1]
+        return self.committed
+
+
 @dataclass
 class Group:
     """One replica group: its id, its rank processes, and its restart history."""
 
     replica_id: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    #: Its failures since it last committed a step, which --max-restarts bounds.
+    count: RestartCount = field(default_factory=RestartCount)
+    #: Whether it committed a step in this life.
+    watch: CommitWatch = field(default_factory=CommitWatch)
+    #: Its exits so far, by cause, and the restarts that followed them.
+    exits: Counter[Exit] = field(default_factory=Counter)
     restarts: int = 0
     restart_at: float | None = None
     done: bool = False
@@ -324,6 +520,9 @@ class Launcher:
         self.next_kill: float | None = None
         self.next_hang: float | None = None
         self.next_thread_hang: float | None = None
+        #: Asks the lighthouse's status for `look_for_commits`; made at its first look.
+        self.status_client: _core.LighthouseClient | None = None
+        self.next_sighting = 0.0
 
     def say(self, text: str) -> None:
         self.observer.say(text)
@@ -363,6 +562,7 @@ class Launcher:
         port = _free_port()
         world = self.config.nproc_per_replica
         group.procs = []
+        group.watch = CommitWatch()
         # The token reaches the ranks as text; a token file of the launcher's, too.
         inherited = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
         for rank in range(world):
@@ -454,31 +654,67 @@ class Launcher:
                 self.say(f"{group.replica_id} failed (exit codes {codes}); stopping its ranks")
                 self.stop_groups([group])
                 self.observer.group_event("exit", group)
-                stalled = (
-                    group.chaos_thread_hung_until is not None and watchdog.EXIT_STALLED in codes
+                self.after_exit(group, codes, now)
+
+    def after_exit(self, group: Group, codes: list[int | None], now: float) -> None:
+        """Restarts a group whose ranks ended, or gives up on it (`RestartCount`)."""
+        chaos_hung = group.chaos_thread_hung_until is not None
+        cause = Exit.of(codes, chaos_killed=group.chaos_killed, chaos_hung=chaos_hung)
+        group.chaos_killed, group.chaos_thread_hung_until = False, None
+        group.exits[cause] += 1
+        group.count = group.count.after(cause, committed=group.watch.committed)
+        limit = self.config.max_restarts
+        if cause is Exit.CHAOS:
+            why = "killed" if not chaos_hung else "its training thread blocked"
+            self.restart(group, self.config.restart_backoff, f"{why} by chaos", now)
+        elif group.count.exceeds(limit):
+            group.given_up = True
+            self.say(
+                f"{group.replica_id} gave up after {group.restarts} restart(s): "
+                f"{group.count}, over --max-restarts {limit}"
+            )
+        elif not self.lighthouse_reachable():
+            group.given_up = True
+            self.say(
+                f"not restarting {group.replica_id}: the lighthouse at "
+                f"{self.lighthouse} cannot be reached; start it again, then this job"
+            )
+        else:
+            backoff = group.count.backoff(self.config.restart_backoff)
+            why = f"{cause.value}: {group.count}, of --max-restarts {limit} each"
+            self.restart(group, backoff, why, now)
+
+    def restart(self, group: Group, backoff: float, why: str, now: float) -> None:
+        group.restarts += 1
+        group.restart_at = now + backoff
+        self.say(f"restarting {group.replica_id} in {backoff:.1f} s ({why})")
+
+    def look_for_commits(self, now: float) -> None:
+        """Asks the lighthouse how far the live groups that have not committed in
+        this life yet have got (`CommitWatch`), every `SIGHTING_EVERY` seconds. Once
+        each has, nobody asks: a job that trains costs its lighthouse nothing."""
+        watched = [g for g in self.groups if g.alive and not g.watch.committed]
+        if not watched or now < self.next_sighting:
+            return
+        self.next_sighting = now + SIGHTING_EVERY
+        try:
+            if self.status_client is None:
+                self.status_client = _core.LighthouseClient(
+                    self.lighthouse, token=self.token, connect_timeout=SIGHTING_TIMEOUT
                 )
-                group.chaos_thread_hung_until = None
-                if group.chaos_killed or stalled:
-                    why = "killed" if group.chaos_killed else "its training thread blocked"
-                    group.chaos_killed = False
-                    group.restart_at = now + self.config.restart_backoff
-                    self.say(f"restarting {group.replica_id} ({why} by chaos)")
-                    continue
-                if group.restarts >= self.config.max_restarts:
-                    group.given_up = True
-                    self.say(f"{group.replica_id} gave up after {group.restarts} restart(s)")
-                    continue
-                if not self.lighthouse_reachable():
-                    group.given_up = True
-                    self.say(
-                        f"not restarting {group.replica_id}: the lighthouse at "
-                        f"{self.lighthouse} cannot be reached; start it again, then this job"
-                    )
-                    continue
-                backoff = min(10.0, self.config.restart_backoff * 2**group.restarts)
-                group.restarts += 1
-                group.restart_at = now + backoff
-                self.say(f"restarting {group.replica_id} in {backoff:.1f} s")
+            status = self.status_client.status(timeout=SIGHTING_TIMEOUT)
+        except (OSError, RuntimeError, ValueError):
+            # Not now: a lighthouse that is away costs the loop one timeout per
+            # SIGHTING_AWAY seconds, not per look. Its groups' failures count meanwhile.
+            self.next_sighting = now + SIGHTING_AWAY
+            return
+        for group in watched:
+            seen = group.watch.see(Sighting.of(status, group.replica_id))
+            if seen and group.count != RestartCount():
+                self.say(
+                    f"{group.replica_id} committed a step in this life: --max-restarts counts "
+                    f"its failures from 0 again (it had {group.count})"
+                )
 
     def lighthouse_reachable(self) -> bool:
         """Whether the job's lighthouse answers (the embedded one always does): a
@@ -562,6 +798,7 @@ class Launcher:
             timed_out = self._supervise(duration, chaos_quiet, startup_timeout)
         finally:
             self._shut_down()
+            self._summarize()
         if self.stopping:
             return 130
         return 0 if timed_out or all(g.done for g in self.groups) else 1
@@ -608,6 +845,7 @@ class Launcher:
                 end = trains_since + duration
             if now >= end:
                 return True
+            self.look_for_commits(now)
             self.check_groups(now)
             if all(g.done or g.given_up for g in self.groups):
                 return False
@@ -624,6 +862,14 @@ class Launcher:
             self.fork_server.close()
         if self.lighthouse_server is not None:
             self.lighthouse_server.shutdown()
+
+    def _summarize(self) -> None:
+        """A line for each group that exited on the way: its restarts, and why."""
+        for group in self.groups:
+            if group.exits:
+                causes = ", ".join(f"{group.exits[c]} {c.value}" for c in Exit if group.exits[c])
+                end = "; given up" if group.given_up else ""
+                self.say(f"{group.replica_id}: {group.restarts} restart(s); exits: {causes}{end}")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.say(f"{signal.Signals(signum).name}: stopping every group")
@@ -678,14 +924,17 @@ def _add_group_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=10,
         metavar="K",
-        help="restarts of one group before the launcher gives up on it (default: 10)",
+        help="failures of one group in a row (without a committed step in between) that "
+        "it is restarted after; evictions as stalled are counted apart, against as many; "
+        "then the launcher gives up on it (default: 10)",
     )
     parser.add_argument(
         "--restart-backoff",
         type=float,
         default=0.5,
         metavar="SECONDS",
-        help="wait before a group's first restart, doubled on each next (default: 0.5)",
+        help="wait before a group's first restart, doubled on each next in a row, up to "
+        f"{MAX_BACKOFF:g} s (default: 0.5)",
     )
 
 
