@@ -30,6 +30,7 @@ REPORT_FIELDS = {
     "initial_loss",
     "final_loss",
     "replicas_consistent",
+    "rollbacks",
     "job_progress",
     "failures",
     "max_survivor_stall_s",
@@ -42,6 +43,7 @@ STEP_FIELDS = {
     "replica",
     "step",
     "quorum_id",
+    "lineage",
     "participants",
     "committed",
     "quorum_s",
@@ -84,6 +86,8 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert report["final_loss"] < report["initial_loss"]
     assert report["replicas_consistent"] is True and report["split_steps"] == []
     assert report["consistency_checked_steps"] > 0
+    # One group killed at a time never takes the job's newest state with it.
+    assert report["rollbacks"] == [], report["rollbacks"]
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert len(steps) >= report["group_steps_attempted"]

@@ -7,12 +7,18 @@ import subprocess
 import sys
 import textwrap
 import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import phalanx
+from phalanx import healing
 from phalanx.manager import Timeouts
 from phalanx.progress import Progress
 from phalanx.watchdog import EXIT_STALLED
+
+from conftest import in_groups, leave_together, manager_for
 
 
 def test_the_stall_timeout_is_part_of_the_budget_and_shorter_than_the_collective():
@@ -93,3 +99,72 @@ def test_an_evicted_rank_logs_what_it_did_and_every_stack_then_exits_75():
     assert "group rank 2 was last at: launched an all-reduce of step 17 (quorum 5)" in proc.stderr
     # Every thread's stack: the bystander's too.
     assert proc.stderr.count("most recent call first") >= 2, proc.stderr
+
+
+def test_every_wait_of_a_step_on_the_other_groups_is_marked(lighthouse2, monkeypatch):
+    """Inside each wait of a step on another group (the quorum, the process group's
+    rendezvous, an all-reduce, the vote, a heal's fetch, the healers' fetches from
+    this group) the rank counts as moving: the lighthouse must never take a rank that
+    waits on a peer for the one that stalls (DESIGN I12). Two real groups over a real
+    lighthouse; b starts unlike a and heals from it at step 0. Each wait is looked at
+    from inside, on the training thread, as it begins."""
+    seen: dict[str, set[str]] = {"a": set(), "b": set()}
+    group_of = threading.local()
+
+    def looking(call, at: str):
+        def look(*args, **kwargs):
+            manager = group_of.manager
+            progress = manager._rank.progress
+            left = progress.wait_left()
+            assert progress.doing.startswith("waiting: "), (at, progress.doing)
+            assert left is not None and left > 0, (at, progress.doing, left)
+            seen[manager.replica_id].add(at)
+            return call(*args, **kwargs)
+
+        return look
+
+    def watched(manager: phalanx.Manager) -> None:
+        """Every call that waits on the other groups looks at the progress first."""
+        services = manager._rank.services
+        client = services.client
+
+        def start_quorum(*args, **kwargs):
+            asked = client.start_quorum(*args, **kwargs)
+            return SimpleNamespace(result=looking(asked.result, "quorum"))
+
+        services.client = SimpleNamespace(
+            start_quorum=start_quorum, report_progress=client.report_progress
+        )
+        manager._client = SimpleNamespace(should_commit=looking(client.should_commit, "vote"))
+        pg = services.process_group
+        pg.configure = looking(pg.configure, "rendezvous")
+        allreduce = pg.allreduce
+
+        def allreduce_watched(tensor, abort):
+            pending = allreduce(tensor, abort)
+            pending.wait = looking(pending.wait, "all-reduce")
+            return pending
+
+        pg.allreduce = allreduce_watched
+        services.host.close = looking(services.host.close, "healers' fetches")
+
+    monkeypatch.setattr(healing, "heal", looking(healing.heal, "heal"))
+
+    def group(name: str, barrier: threading.Barrier) -> None:
+        manager = manager_for(lighthouse2, name)
+        group_of.manager = manager
+        watched(manager)
+        weights = torch.full((4,), 1.0 if name == "a" else 2.0)
+        manager.register_state("w", lambda: {"w": weights}, lambda s: weights.copy_(s["w"]))
+        try:
+            for _ in range(2):
+                manager.start_quorum()
+                manager.allreduce(torch.ones(2)).wait()
+                assert manager.should_commit(), manager.last_step.failure
+        finally:
+            leave_together(manager, barrier)
+
+    in_groups(group)
+    # b healed from a at step 0 (it started unlike a); a waited for its fetch to end.
+    assert seen["a"] == {"quorum", "rendezvous", "all-reduce", "vote", "healers' fetches"}
+    assert seen["b"] == {"quorum", "rendezvous", "heal", "all-reduce", "vote"}

@@ -107,12 +107,12 @@ def test_a_step_fails_once_whichever_threads_fail_it():
 
 def test_a_torn_heal_goes_back_to_the_state_held_before():
     held = HeldState()
-    held.committed(quorum_id=2)
+    held.committed(quorum_id=2, lineage=0)
     held.begin_heal()
-    held.healed(step=8, state_quorum_id=6)
-    assert (held.step, held.state_quorum_id, held.healing) == (8, 6, True)
+    held.healed(step=8, state_quorum_id=6, lineage=5)
+    assert (held.step, held.state_quorum_id, held.lineage, held.healing) == (8, 6, 5, True)
     assert held.tear()  # another rank of the group failed its heal
-    assert (held.step, held.state_quorum_id, held.torn) == (1, 2, True)
+    assert (held.step, held.state_quorum_id, held.lineage, held.torn) == (1, 2, 0, True)
     assert not held.tear()
 
 

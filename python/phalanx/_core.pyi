@@ -41,6 +41,21 @@ class Member:
     @property
     def torn(self) -> bool:
         """A heal failed part way: the state is unusable until a heal succeeds."""
+    @property
+    def lineage(self) -> int:
+        """With `step` and `state_quorum_id`, which state the group holds: its lineage
+        (0: the job's first; a rollback starts a new one, numbered by its quorum)."""
+
+class StateIdentity:
+    """Which state a group holds; of two, the one of the later lineage, then the later
+    step, then the later commit quorum is the newer."""
+
+    @property
+    def lineage(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def state_quorum_id(self) -> int: ...
 
 class Quorum:
     """A quorum as the lighthouse issued it; participants are ordered by replica id."""
@@ -51,6 +66,13 @@ class Quorum:
     def participants(self) -> list[Member]: ...
     @property
     def issued_at_unix_ms(self) -> int: ...
+    @property
+    def lineage(self) -> int:
+        """The lineage its steps are committed in."""
+    @property
+    def rolled_back_from(self) -> StateIdentity | None:
+        """Set when it starts a new lineage: the job's newest state, which no group
+        that held it could bring back, given up."""
 
 class RecoverySource:
     """An up-to-date peer a healing rank downloads its state from."""
@@ -98,6 +120,12 @@ class QuorumResult:
     @property
     def store_prefix(self) -> str:
         """A key prefix unique to this quorum and group rank."""
+    @property
+    def lineage(self) -> int:
+        """The lineage the quorum trains in: every participant's once healed."""
+    @property
+    def rolled_back_from(self) -> StateIdentity | None:
+        """Set when the quorum starts a new lineage (see `Quorum.rolled_back_from`)."""
 
 class CommitDecision:
     """A group's decision on a step; true when it commits."""
@@ -211,6 +239,7 @@ class LighthouseServer:
         peers: list[str] | None = None,
         id: int | None = None,
         state_file: str | None = None,
+        rollback_after: float | None = None,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
         wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
@@ -220,7 +249,12 @@ class LighthouseServer:
         more) and `id` (this one's place in it, from 1) it is one of a set of
         lighthouses: Raft picks the one that serves; the others refuse quorum requests
         naming it. `state_file` keeps its Raft term and vote across restarts (default:
-        one per address in the temporary directory)."""
+        one per address in the temporary directory).
+
+        `rollback_after`: how long the job waits for a group holding its newest
+        committed state to come back (from a cut, a pause) before it goes on from an
+        older one as a new lineage, announced; a group known to be gone is not waited
+        for."""
     @property
     def address(self) -> str:
         """host:port for clients."""
@@ -339,12 +373,13 @@ class ManagerClient:
         torn: bool = False,
         state_refused: dict[str, int] | None = None,
         healed_bytes: int = 0,
+        lineage: int = 0,
     ) -> QuorumResult:
         """Asks for the quorum of `step` (the state committed in quorum
-        `state_quorum_id`; `torn` after a failed heal); every rank of the group must ask
-        for the same step. `state_refused`: this rank's state server's refusals so far
-        (`StateServer.refused_requests`), and `healed_bytes`: the bytes it fetched in
-        heals so far, both of which the group reports to the lighthouse."""
+        `state_quorum_id`, of `lineage`; `torn` after a failed heal); every rank of the
+        group must ask for the same step. `state_refused`: this rank's state server's
+        refusals so far (`StateServer.refused_requests`), and `healed_bytes`: the bytes
+        it fetched in heals so far, both of which the group reports to the lighthouse."""
     def start_quorum(
         self,
         group_rank: int,
@@ -356,6 +391,7 @@ class ManagerClient:
         torn: bool = False,
         state_refused: dict[str, int] | None = None,
         healed_bytes: int = 0,
+        lineage: int = 0,
     ) -> PendingQuorum:
         """`quorum()` in the background: returns at once; the quorum comes from
         `result()`. Ask before the forward pass, take it after.

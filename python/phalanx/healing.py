@@ -119,7 +119,7 @@ def heal_step(
     seconds = time.monotonic() - started
     step.record.heal_s, step.record.healed, step.record.step = seconds, True, quorum.max_step
     log.info("healed to step %d from %d peer(s) in %.3f s", quorum.max_step, len(sources), seconds)
-    held.healed(quorum.max_step, quorum.max_state_quorum_id)
+    held.healed(quorum.max_step, quorum.max_state_quorum_id, quorum.lineage)
     return None
 
 

@@ -1,21 +1,26 @@
-"""Which state a rank holds: its step *and* the quorum that committed that step, and
-whether a heal left it torn. Pure: the Manager moves it through commits and heals.
+"""Which state a rank holds: its lineage, its step *and* the quorum that committed
+that step, and whether a heal left it torn. Pure: the Manager moves it through
+commits and heals.
 
 A state is named by its step and the quorum that committed it: a group that committed
 a step in a quorum its peers went on without holds another state under the same
-number, and heals. A heal that fails part way leaves the state torn: the rank goes
-back to the identity it had before the heal, marked torn, and heals again before it
-trains; the ranks of a group agree on that through their vote.
+number, and heals. A job that had to go back to an older state (every group holding
+its newest one was gone) goes on as a new lineage, so that a step number names one
+state within a lineage; a state of an older lineage heals whatever its step. A heal
+that fails part way leaves the state torn: the rank goes back to the identity it had
+before the heal, marked torn, and heals again before it trains; the ranks of a group
+agree on that through their vote.
 
 >>> held = HeldState()
->>> held.committed(quorum_id=3); (held.step, held.state_quorum_id)
+>>> held.committed(quorum_id=3, lineage=0); (held.step, held.state_quorum_id)
 (1, 3)
 >>> held.begin_heal(); held.tear()                 # the heal failed part way
 True
 >>> (held.step, held.state_quorum_id, held.torn)
 (1, 3, True)
->>> held.begin_heal(); held.healed(step=9, state_quorum_id=5); (held.step, held.torn)
-(9, False)
+>>> held.begin_heal(); held.healed(step=9, state_quorum_id=5, lineage=4)
+>>> (held.step, held.lineage, held.torn)
+(9, 4, False)
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ class HeldState:
     state_quorum_id: int = 0
     #: A heal failed part way: the state is unusable until a heal succeeds.
     torn: bool = False
+    #: The lineage `step` belongs to (0: the job's first).
+    lineage: int = 0
     #: The identity before this step's heal, restored if the group's heal failed.
-    before_heal: tuple[int, int] | None = None
+    before_heal: tuple[int, int, int] | None = None
 
     def new_step(self) -> None:
         self.before_heal = None
@@ -43,21 +50,27 @@ class HeldState:
         return self.before_heal is not None
 
     def begin_heal(self) -> None:
-        self.before_heal = (self.step, self.state_quorum_id)
+        self.before_heal = (self.step, self.state_quorum_id, self.lineage)
 
-    def healed(self, step: int, state_quorum_id: int) -> None:
+    def healed(self, step: int, state_quorum_id: int, lineage: int) -> None:
         self.step, self.state_quorum_id, self.torn = step, state_quorum_id, False
+        self.lineage = lineage
 
     def tear(self) -> bool:
         """The group's heal failed on some rank: this rank's state is torn, back at
         the identity it held before. True when it was not torn before."""
         if self.before_heal is not None:
-            self.step, self.state_quorum_id = self.before_heal
+            self.step, self.state_quorum_id, self.lineage = self.before_heal
             self.before_heal = None
         newly = not self.torn
         self.torn = True
         return newly
 
-    def committed(self, quorum_id: int) -> None:
+    def committed(self, quorum_id: int, lineage: int) -> None:
         self.step += 1
-        self.state_quorum_id = quorum_id
+        self.state_quorum_id, self.lineage = quorum_id, lineage
+
+    def goes_on_as(self, lineage: int) -> None:
+        """This state is the job's in a quorum of `lineage`: the start of a new
+        lineage, when the job went back to it."""
+        self.lineage = lineage

@@ -261,6 +261,12 @@ class Manager:
         return self._rank.held.state_quorum_id
 
     @property
+    def lineage(self) -> int:
+        """The lineage of this rank's state (0: the job's first; a new one each time
+        the job had to go back to an older state, see `phalanx.identity`)."""
+        return self._rank.held.lineage
+
+    @property
     def torn(self) -> bool:
         """Whether a heal failed part way, leaving the state unusable until the next
         heal succeeds."""

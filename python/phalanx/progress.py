@@ -147,16 +147,20 @@ class Progress:
         if reporter is not None and reporter is not threading.current_thread():
             reporter.join(timeout=2 * self.interval + 1.0)
 
+    def wait_left(self) -> float | None:
+        """Seconds left of the wait on the other groups the training thread is in;
+        None: it is in none."""
+        if self._wait_deadline is None:
+            return None
+        return max(0.0, self._wait_deadline - time.monotonic())
+
     def report_now(self) -> None:
         """Looks at the training thread once and reports."""
         self._look()
-        wait_left = None
-        if self._wait_deadline is not None:
-            wait_left = max(0.0, self._wait_deadline - time.monotonic())
         self._report(
             self.group_rank,
             self._marks + self._moves,
-            wait_left,
+            self.wait_left(),
             self.stall_timeout,
             self.step_time,
         )

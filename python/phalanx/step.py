@@ -46,6 +46,8 @@ class StepRecord:
 
     step: int
     quorum_id: int | None = None
+    #: The lineage the step ran in (see `phalanx.identity`).
+    lineage: int = 0
     participants: int = 0
     committed: bool = False
     healed: bool = False

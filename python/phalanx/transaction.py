@@ -104,6 +104,7 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
         held.torn,
         host.refused_requests,
         rank.healed_bytes,
+        held.lineage,
     )
     step = Step(held.step, asked, None if previous is None else previous.known_quorum)
     rank.losses.follow(step)
@@ -135,7 +136,29 @@ def take_quorum(rank: Rank, step: Step) -> None:
     if not rank.losses.admit(step, quorum.quorum_id):
         # A member died after this quorum was issued; the lighthouse told us first.
         return rank.fail(step, f"quorum {quorum.quorum_id} lost a member before the step began")
+    step.record.lineage = quorum.lineage
+    if quorum.rolled_back_from is not None:
+        announce_rollback(rank, quorum)
     join(rank, step, quorum)
+
+
+def announce_rollback(rank: Rank, quorum: _core.QuorumResult) -> None:
+    """The job goes back: no group holding its newest state could come back."""
+    lost = quorum.rolled_back_from
+    assert lost is not None
+    step = quorum.max_step
+    log.error(
+        "ROLLBACK: replica group %r goes on from step %d as lineage %d (quorum %d); the "
+        "job's newest state, step %d of lineage %d, is held by no group that can come "
+        "back: %d committed step(s) lost",
+        rank.settings.replica_id,
+        step,
+        quorum.lineage,
+        quorum.quorum_id,
+        lost.step,
+        lost.lineage,
+        max(0, lost.step - step),
+    )
 
 
 def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
@@ -145,7 +168,12 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         membership = Membership(
             q.store_address, q.store_prefix, q.replica_rank, q.replica_world_size
         )
-        rank.services.process_group.configure(membership, rank.settings.backend)
+        # Building the group meets every peer in the rendezvous store: a wait on the
+        # other groups, bounded by the collective timeout, never this rank's own stall.
+        with rank.progress.waiting(
+            f"the process group of quorum {q.quorum_id}", rank.settings.timeouts.collective
+        ):
+            rank.services.process_group.configure(membership, rank.settings.backend)
     except (RuntimeError, ValueError, dist.DistError) as e:
         return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
     if quorum.heal:
@@ -162,7 +190,10 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         rank.healed_bytes += step.record.heal_bytes
         if failure is not None:
             rank.fail(step, failure)
-    elif quorum.serves_healers:
+        return
+    # This group's state is the job's: a new lineage's start takes its number.
+    rank.held.goes_on_as(quorum.lineage)
+    if quorum.serves_healers:
         rank.services.host.open(rank.held.step, quorum.quorum_id, rank.registry.state())
         rank.serving = True
         rank.progress.mark(f"serving the state of step {rank.held.step} to healing peers")
@@ -172,7 +203,9 @@ def stop_serving(rank: Rank) -> None:
     """Every healing peer fetched before it joined the collectives that just
     completed, so the state may change again from here on."""
     if rank.serving:
-        rank.services.host.close(rank.settings.timeouts.heal)
+        timeout = rank.settings.timeouts.heal
+        with rank.progress.waiting("healing peers finishing their fetches", timeout):
+            rank.services.host.close(timeout)
         rank.serving = False
 
 
@@ -213,7 +246,7 @@ def conclude(rank: Rank, step: Step, commit: bool, torn: bool, took: float) -> b
     record.participants = 0 if quorum is None else quorum.contributors
     if commit:
         assert quorum is not None
-        rank.held.committed(quorum.quorum_id)
+        rank.held.committed(quorum.quorum_id, quorum.lineage)
     else:
         log.info("step %d not committed: %s", rank.held.step, record.failure)
         rank.services.process_group.reset()

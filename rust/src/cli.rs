@@ -19,6 +19,8 @@ static JOIN_TIMEOUT: LazyLock<String> =
     LazyLock::new(|| duration_text(Tuning::DEFAULT.join_timeout));
 static HEARTBEAT_TIMEOUT: LazyLock<String> =
     LazyLock::new(|| duration_text(Tuning::DEFAULT.heartbeat_timeout));
+static ROLLBACK_AFTER: LazyLock<String> =
+    LazyLock::new(|| duration_text(Tuning::DEFAULT.rollback_after));
 
 /// Run the lighthouse of a phalanx job: it decides which replica groups take part in
 /// each step and watches their liveness. Serves gRPC and, on the same port, a status
@@ -38,6 +40,12 @@ pub struct LighthouseArgs {
     /// How long a connected group may stay silent before it is declared dead.
     #[arg(long, env = "PHALANX_HEARTBEAT_TIMEOUT", default_value = HEARTBEAT_TIMEOUT.as_str(), value_parser = parse_duration)]
     pub heartbeat_timeout: Duration,
+    /// How long the job waits for a group holding its newest committed state to come
+    /// back (from a cut, a pause) before it goes back to the best older state the
+    /// groups hold, as a new lineage, announced. A group known to be gone (crashed,
+    /// evicted) is not waited for.
+    #[arg(long, env = "PHALANX_ROLLBACK_AFTER", default_value = ROLLBACK_AFTER.as_str(), value_parser = parse_duration)]
+    pub rollback_after: Duration,
     /// Job token; with it set, every request without it is refused. Visible to other
     /// users of this host in the process list: prefer --token-file. [env: PHALANX_TOKEN]
     #[arg(long)]
@@ -95,6 +103,7 @@ impl LighthouseArgs {
             min_replicas: self.min_replicas,
             join_timeout: self.join_timeout,
             heartbeat_timeout: self.heartbeat_timeout,
+            rollback_after: self.rollback_after,
             token: JobToken::new(token),
             insecure: self.insecure,
             connections: GateLimits::RPC,
@@ -282,6 +291,9 @@ mod tests {
         }
         if std::env::var_os("PHALANX_HEARTBEAT_TIMEOUT").is_none() {
             assert_eq!(args.heartbeat_timeout, defaults.heartbeat_timeout);
+        }
+        if std::env::var_os("PHALANX_ROLLBACK_AFTER").is_none() {
+            assert_eq!(args.rollback_after, defaults.rollback_after);
         }
     }
 }

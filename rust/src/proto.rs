@@ -8,7 +8,9 @@ tonic::include_proto!("phalanx.v1");
 /// The protocol version this build speaks; every request carries it. Version 2: a
 /// group asks for its quorums on its heartbeat stream, and relies on the lighthouse to
 /// answer there (a version 1 lighthouse would take the ask for a beat and never answer).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Version 3: states carry their lineage; a group of version 2 would report every
+/// state as of the job's first lineage, and be taken for the holder of an old one.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 impl From<Member> for crate::quorum::Member {
     fn from(m: Member) -> Self {
@@ -23,6 +25,7 @@ impl From<Member> for crate::quorum::Member {
             state_addresses: m.state_addresses,
             state_quorum_id: m.state_quorum_id,
             torn: m.torn,
+            lineage: m.lineage,
         }
     }
 }
@@ -40,6 +43,27 @@ impl From<crate::quorum::Member> for Member {
             state_addresses: m.state_addresses,
             state_quorum_id: m.state_quorum_id,
             torn: m.torn,
+            lineage: m.lineage,
+        }
+    }
+}
+
+impl From<crate::quorum::Identity> for StateIdentity {
+    fn from(i: crate::quorum::Identity) -> Self {
+        StateIdentity {
+            lineage: i.lineage,
+            step: i.step,
+            state_quorum_id: i.state_quorum_id,
+        }
+    }
+}
+
+impl From<StateIdentity> for crate::quorum::Identity {
+    fn from(i: StateIdentity) -> Self {
+        crate::quorum::Identity {
+            lineage: i.lineage,
+            step: i.step,
+            state_quorum_id: i.state_quorum_id,
         }
     }
 }

@@ -19,7 +19,12 @@
 //!   a group that lives but never asks again cannot stop the job;
 //! - the quorum id moves up whenever the membership changes or a member reports
 //!   commit failures, and is never reused: it starts above every id any caller
-//!   has seen, which is what lets a restarted lighthouse carry on (invariant I3).
+//!   has seen, which is what lets a restarted lighthouse carry on (invariant I3);
+//! - never back (invariant I11): a quorum whose newest member is older than the job's
+//!   newest committed state waits while a group holding that state may come back (the
+//!   lighthouse says until when, see [`Newest`]); after that it starts a new lineage
+//!   from the best state its members hold, numbered by its own quorum id, so that no
+//!   step number of a lineage ever names two states.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -30,6 +35,29 @@ pub type ReplicaId = String;
 
 /// Numbers quorums; strictly increases whenever the membership changes.
 pub type QuorumId = u64;
+
+/// Which state a group holds. Ordered lineage first, then step, then commit quorum,
+/// so that the job's state is the greatest: a later lineage supersedes every state
+/// of an earlier one, and of two states at one step the one committed later is the
+/// job's (a group that committed it earlier was dropped and its peers went on).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub struct Identity {
+    /// 0: the job's first lineage; else the id of the quorum that started it.
+    pub lineage: u64,
+    pub step: i64,
+    /// The quorum that committed `step` (0 before the first commit).
+    pub state_quorum_id: QuorumId,
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "step {} (committed in quorum {}, lineage {})",
+            self.step, self.state_quorum_id, self.lineage
+        )
+    }
+}
 
 /// A replica group as it asks to join a quorum.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -46,6 +74,18 @@ pub struct Member {
     pub state_quorum_id: QuorumId,
     /// A heal failed part way; the state is unusable until a heal succeeds.
     pub torn: bool,
+    /// With `step` and `state_quorum_id`, which state the group holds.
+    pub lineage: u64,
+}
+
+impl Member {
+    pub fn identity(&self) -> Identity {
+        Identity {
+            lineage: self.lineage,
+            step: self.step,
+            state_quorum_id: self.state_quorum_id,
+        }
+    }
 }
 
 /// The groups that take part in the steps until the next quorum.
@@ -54,6 +94,10 @@ pub struct Quorum {
     pub id: QuorumId,
     /// Ordered by replica id, so every member derives the same replica ranks.
     pub members: Vec<Member>,
+    /// The lineage its steps are committed in.
+    pub lineage: u64,
+    /// Set when it starts a new lineage: the newest state, which the job gives up.
+    pub rolled_back_from: Option<Identity>,
 }
 
 impl Quorum {
@@ -75,6 +119,14 @@ pub struct Joiner {
     /// The highest quorum id this group has seen.
     pub last_quorum_id: QuorumId,
     pub joined_at: Instant,
+}
+
+/// The job's newest committed state, and until when a group holding it may still
+/// come back (None: every group that held it is gone for good, so waiting is useless).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Newest {
+    pub state: Identity,
+    pub may_return_until: Option<Instant>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,6 +161,8 @@ pub struct Round<'a> {
     pub previous_at: Option<Instant>,
     /// The highest quorum id heard from anyone (requests and heartbeats).
     pub highest_seen_id: QuorumId,
+    /// The job's newest committed state, if the lighthouse knows of one.
+    pub newest: Option<Newest>,
     pub config: &'a QuorumConfig,
     pub now: Instant,
 }
@@ -145,6 +199,12 @@ pub enum WaitReason {
     /// Live members of the previous quorum that have not rejoined yet.
     LateMembers {
         missing: Missing,
+    },
+    /// No group asking holds the job's newest state, and one that held it may come back.
+    NewestStateAway {
+        newest: Identity,
+        /// The best state a group asking holds (None: every one is torn).
+        best: Option<Identity>,
     },
 }
 
@@ -224,6 +284,18 @@ impl fmt::Display for WaitReason {
                 f,
                 "waiting up to the join timeout for live members of the previous quorum: {missing}"
             ),
+            WaitReason::NewestStateAway { newest, best } => {
+                write!(
+                    f,
+                    "the job's newest state, {newest}, is held by no group asking; waiting up \
+                     to --rollback-after for a group that held it to come back, else the job \
+                     goes back to "
+                )?;
+                match best {
+                    Some(best) => write!(f, "{best}"),
+                    None => write!(f, "a fresh start (every group asking is torn)"),
+                }
+            }
         }
     }
 }
@@ -240,6 +312,7 @@ pub fn decide(round: &Round<'_>) -> Decision {
         previous,
         previous_at,
         highest_seen_id,
+        newest,
         config,
         now,
     } = *round;
@@ -334,18 +407,68 @@ pub fn decide(round: &Round<'_>) -> Decision {
         return Decision::Wait { until, reason };
     }
 
-    let members: Vec<Member> = members.iter().map(|j| j.member.clone()).collect();
-    let id = next_id(&members, joiners, previous, highest_seen_id);
-    Decision::Issue(Quorum { id, members })
+    let mut members: Vec<Member> = members.iter().map(|j| j.member.clone()).collect();
+    let best = members
+        .iter()
+        .filter(|m| !m.torn)
+        .map(Member::identity)
+        .max();
+    let rolled_back_from = match newest {
+        Some(newest) if best < Some(newest.state) => {
+            if let Some(until) = newest.may_return_until.filter(|until| now < *until) {
+                return Decision::Wait {
+                    until: Some(until),
+                    reason: WaitReason::NewestStateAway {
+                        newest: newest.state,
+                        best,
+                    },
+                };
+            }
+            Some(newest.state)
+        }
+        _ => None,
+    };
+    // The newest state names quorums the job has used too.
+    let heard = newest.map_or(highest_seen_id, |n| {
+        highest_seen_id
+            .max(n.state.state_quorum_id)
+            .max(n.state.lineage)
+    });
+    let id = next_id(
+        &members,
+        joiners,
+        previous,
+        heard,
+        rolled_back_from.is_some(),
+    );
+    let lineage = match rolled_back_from {
+        // The members that hold the best state are the new lineage's start; every
+        // other member heals to it, as in any quorum.
+        Some(_) => {
+            for m in members.iter_mut().filter(|m| Some(m.identity()) == best) {
+                m.lineage = id;
+            }
+            id
+        }
+        None => best.map_or(0, |b| b.lineage),
+    };
+    Decision::Issue(Quorum {
+        id,
+        members,
+        lineage,
+        rolled_back_from,
+    })
 }
 
-/// Keeps the previous id for an unchanged, healthy membership; otherwise moves above
-/// every id anyone has seen, the ids reported by joiners since declared dead included.
+/// Keeps the previous id for an unchanged, healthy membership that goes on in its
+/// lineage; otherwise moves above every id anyone has seen, the ids reported by
+/// joiners since declared dead included.
 fn next_id(
     members: &[Member],
     joiners: &BTreeMap<ReplicaId, Joiner>,
     previous: Option<&Quorum>,
     highest_seen_id: QuorumId,
+    rollback: bool,
 ) -> QuorumId {
     let highest = joiners
         .values()
@@ -359,7 +482,7 @@ fn next_id(
                 .eq(members.iter().map(|m| m.replica_id.as_str()))
     });
     let failures = members.iter().any(|m| m.commit_failures > 0);
-    if unchanged && !failures {
+    if unchanged && !failures && !rollback {
         highest
     } else {
         // Callers refuse ids near the top (validate::MAX_QUORUM_ID); saturating keeps
@@ -397,6 +520,7 @@ mod tests {
         live: BTreeSet<ReplicaId>,
         previous: Option<Quorum>,
         previous_at: Option<Instant>,
+        newest: Option<Newest>,
         config: QuorumConfig,
     }
 
@@ -408,6 +532,7 @@ mod tests {
                 live: live.iter().map(|s| s.to_string()).collect(),
                 previous: None,
                 previous_at: None,
+                newest: None,
                 config: QuorumConfig {
                     min_replicas: 1,
                     join_timeout: Duration::from_secs(1),
@@ -438,6 +563,7 @@ mod tests {
                 previous: self.previous.as_ref(),
                 previous_at: self.previous_at,
                 highest_seen_id: 0,
+                newest: self.newest,
                 config: &self.config,
                 now: self.t0 + Duration::from_millis(ms),
             })
@@ -671,5 +797,126 @@ mod tests {
         );
         s.join_at("b", 500);
         assert_eq!(ids(&s.issue_at(1000)), ["a", "b"]);
+    }
+    fn at(lineage: u64, step: i64, state_quorum_id: u64) -> Identity {
+        Identity {
+            lineage,
+            step,
+            state_quorum_id,
+        }
+    }
+
+    fn holding(id: &str, state: Identity) -> Member {
+        Member {
+            lineage: state.lineage,
+            step: state.step,
+            state_quorum_id: state.state_quorum_id,
+            ..member(id)
+        }
+    }
+
+    #[test]
+    fn a_quorum_below_the_newest_state_waits_for_its_holders_then_starts_a_new_lineage() {
+        let mut s = Scene::new(&["g1", "g2", "g3"]);
+        s.previous = Some(Quorum {
+            id: 8,
+            members: vec![holding("g1", at(0, 296, 8)), holding("g3", at(0, 296, 8))],
+            lineage: 0,
+            rolled_back_from: None,
+        });
+        s.previous_at = Some(s.t0);
+        s.live.remove("g1");
+        s.live.remove("g3");
+        // g1 and g3 were restarted fresh; g2 comes back from a cut with step 186.
+        s.join_member(holding("g2", at(0, 186, 5)), 0);
+        let newest = at(0, 296, 8);
+        let until = s.t0 + Duration::from_secs(30);
+        s.newest = Some(Newest {
+            state: newest,
+            may_return_until: Some(until),
+        });
+        let wait = s.decide_at(100);
+        assert_eq!(
+            wait,
+            Decision::Wait {
+                until: Some(until),
+                reason: WaitReason::NewestStateAway {
+                    newest,
+                    best: Some(at(0, 186, 5)),
+                },
+            }
+        );
+        assert!(
+            wait_reason(&wait).contains("step 296 (committed in quorum 8, lineage 0)"),
+            "{}",
+            wait_reason(&wait)
+        );
+        // Nobody came back: the job goes on from the best state there is, as a new
+        // lineage named by the quorum that starts it.
+        let q = s.issue_at(30_000);
+        assert_eq!(q.id, 9);
+        assert_eq!(q.lineage, 9);
+        assert_eq!(q.rolled_back_from, Some(newest));
+        assert_eq!(q.members[0].identity(), at(9, 186, 5));
+    }
+
+    fn wait_reason(d: &Decision) -> String {
+        match d {
+            Decision::Wait { reason, .. } => reason.to_string(),
+            Decision::Issue(q) => panic!("expected a wait, got {q:?}"),
+        }
+    }
+
+    #[test]
+    fn a_quorum_holding_the_newest_state_goes_on_in_its_lineage() {
+        let mut s = Scene::new(&["a", "b"]);
+        s.newest = Some(Newest {
+            state: at(4, 50, 7),
+            may_return_until: Some(s.t0 + Duration::from_secs(30)),
+        });
+        s.join_member(holding("a", at(4, 50, 7)), 0);
+        s.join_member(holding("b", at(4, 12, 4)), 0);
+        let q = s.issue_at(0);
+        assert_eq!((q.lineage, q.rolled_back_from), (4, None));
+        assert_eq!(
+            q.members[1].lineage, 4,
+            "a behind member keeps its own, and heals"
+        );
+    }
+
+    #[test]
+    fn with_every_holder_gone_for_good_the_job_goes_back_at_once() {
+        let mut s = Scene::new(&["a"]);
+        s.newest = Some(Newest {
+            state: at(0, 401, 1),
+            may_return_until: None,
+        });
+        s.join_member(holding("a", at(0, 0, 0)), 0);
+        let q = s.issue_at(0);
+        assert_eq!(q.rolled_back_from, Some(at(0, 401, 1)));
+        assert_eq!(q.lineage, q.id);
+        assert!(
+            q.id > 1,
+            "a new lineage never reuses the id of the one it leaves"
+        );
+    }
+
+    #[test]
+    fn a_state_of_an_older_lineage_is_older_than_any_of_a_newer_one() {
+        assert!(at(0, 296, 8) < at(9, 0, 0));
+        let mut s = Scene::new(&["old"]);
+        s.newest = Some(Newest {
+            state: at(9, 190, 12),
+            may_return_until: Some(s.t0 + Duration::from_secs(30)),
+        });
+        // The holder of the old lineage's step 296 is back: it is behind the job.
+        s.join_member(holding("old", at(0, 296, 8)), 0);
+        assert!(matches!(
+            s.decide_at(10),
+            Decision::Wait {
+                reason: WaitReason::NewestStateAway { .. },
+                ..
+            }
+        ));
     }
 }

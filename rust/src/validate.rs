@@ -135,6 +135,7 @@ pub fn member(m: &proto::Member) -> Result<(), Status> {
     replica_id(&m.replica_id)?;
     step(m.step)?;
     quorum_id("state_quorum_id", m.state_quorum_id)?;
+    quorum_id("lineage", m.lineage)?;
     world_size(m.world_size)?;
     address("manager address", &m.manager_address)?;
     address("store address", &m.store_address)?;

@@ -37,6 +37,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         min_replicas,
         join_timeout: JOIN_TIMEOUT,
         heartbeat_timeout: HEARTBEAT_TIMEOUT,
+        rollback_after: Duration::from_secs(30),
         token: JobToken::default(),
         connections: GateLimits::RPC,
         insecure: false,

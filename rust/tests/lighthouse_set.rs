@@ -37,6 +37,7 @@ async fn start_set(dir: &std::path::Path) -> (Vec<Option<ServerHandle>>, Vec<Str
             min_replicas: 1,
             join_timeout: Duration::from_millis(200),
             heartbeat_timeout: Duration::from_millis(500),
+            rollback_after: Duration::from_secs(30),
             token: JobToken::default(),
             connections: GateLimits::RPC,
             insecure: false,

@@ -113,6 +113,7 @@ impl Scene {
             // The previous quorum was issued at t0, before every request of this round.
             previous_at: self.previous.as_ref().map(|_| t0),
             highest_seen_id: self.highest_seen_id,
+            newest: None,
             config: &self.config,
             now: t0 + Duration::from_millis(self.now_ms),
         })
@@ -156,6 +157,8 @@ fn scene_with(
                 previous: previous.map(|(members, id)| Quorum {
                     id,
                     members: sorted_members(names_in(&members).map(member)),
+                    lineage: 0,
+                    rolled_back_from: None,
                 }),
                 highest_seen_id,
                 config: QuorumConfig {
@@ -461,6 +464,7 @@ impl Lighthouse {
             previous: self.previous.as_ref(),
             previous_at: self.previous_at,
             highest_seen_id,
+            newest: None,
             config: &self.config,
             now,
         });
@@ -573,6 +577,7 @@ proptest! {
             previous: None,
             previous_at: None,
             highest_seen_id: heard,
+            newest: None,
             config: &config,
             now: Instant::now() + Duration::from_secs(1),
         };

@@ -136,6 +136,7 @@ def print_step(manager: phalanx.Manager, step: int, committed: bool, loss: float
         "loss": loss,
         "hash": digest,
         "state_quorum_id": manager.state_quorum_id,
+        "lineage": manager.lineage,
         "torn": manager.torn,
         "failure": manager.failure,
         "t": time.time(),

@@ -92,23 +92,55 @@ def _round(x: float | None, digits: int = 4) -> float | None:
 
 
 def _splits(steps: list[dict]) -> tuple[int, list[dict]]:
-    """How many (step, rank)s two or more lives committed, and those among them
-    whose lives committed different fingerprints, each with who committed what."""
-    commits: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    """How many (lineage, step, rank)s two or more lives committed, and those among
+    them whose lives committed different fingerprints, each with who committed what.
+    A step number names one state within a lineage; a rollback starts a new one."""
+    commits: dict[tuple[int, int, int], list[dict]] = defaultdict(list)
     for r in steps:
         if r["committed"] and r.get("fingerprint"):
-            commits[(r["step"], r["rank"])].append(r)
+            commits[(r.get("lineage", 0), r["step"], r["rank"])].append(r)
     compared = sorted(key for key, records in commits.items() if len(records) >= 2)
     splits = []
-    for step, rank in compared:
-        records = commits[(step, rank)]
+    for lineage, step, rank in compared:
+        records = commits[(lineage, step, rank)]
         if len({r["fingerprint"] for r in records}) > 1:
             who = [
                 {k: r.get(k) for k in ("replica", "pid", "quorum_id", "fingerprint")}
                 for r in records
             ]
-            splits.append({"step": step, "rank": rank, "commits": who})
+            splits.append({"step": step, "lineage": lineage, "rank": rank, "commits": who})
     return len(compared), splits
+
+
+def rollbacks(steps: Iterable[dict]) -> list[dict]:
+    """Each time the job went back (a new lineage: no group holding its newest state
+    could come back), with the steps it lost.
+
+    >>> rollbacks([{"lineage": 0, "step": 9, "committed": True},
+    ...            {"lineage": 7, "step": 4, "committed": True},
+    ...            {"lineage": 7, "step": 5, "committed": True}])
+    [{'lineage': 7, 'from_step': 10, 'to_step': 4, 'steps_lost': 6}]
+    """
+    reached: dict[int, tuple[int, int]] = {}
+    for r in steps:
+        if r["committed"]:
+            lineage = r.get("lineage", 0)
+            low, high = reached.get(lineage, (r["step"], r["step"]))
+            reached[lineage] = (min(low, r["step"]), max(high, r["step"]))
+    found, newest = [], None
+    for lineage in sorted(reached):
+        low, high = reached[lineage]
+        if newest is not None:
+            found.append(
+                {
+                    "lineage": lineage,
+                    "from_step": newest + 1,
+                    "to_step": low,
+                    "steps_lost": max(0, newest + 1 - low),
+                }
+            )
+        newest = high if newest is None else max(newest, high)
+    return found
 
 
 def _mean_loss(records: list[dict]) -> float | None:
@@ -365,6 +397,7 @@ def analyze(
         "failures": [_failure_report(f, zero) for f in found],
         "initial_loss": _round(_mean_loss(initial)),
         "final_loss": _round(_mean_loss(final)),
+        "rollbacks": rollbacks(committed),
         "replicas_consistent": not splits,
         "consistency_checked_steps": compared,
         "split_steps": sorted({split["step"] for split in splits}),
@@ -451,6 +484,10 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_seconds(r['max_survivor_stall_s'], 3)} s",
         ),
         ("loss: initial -> final", f"{r['initial_loss']} -> {r['final_loss']}"),
+        (
+            "rollbacks (committed steps lost)",
+            f"{len(r['rollbacks'])} ({sum(b['steps_lost'] for b in r['rollbacks'])})",
+        ),
         (
             "replicas bit-identical",
             f"{r['replicas_consistent']} ({r['consistency_checked_steps']} steps compared)",

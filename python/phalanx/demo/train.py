@@ -129,6 +129,7 @@ class StepLog:
             "pid": os.getpid(),
             "step": step.step,
             "quorum_id": step.quorum_id,
+            "lineage": step.lineage,
             "participants": step.participants,
             "committed": committed,
             "healed": step.healed,

@@ -22,6 +22,8 @@ pub struct Metrics {
     pub live_replicas: Gauge,
     pub quorums_issued: Counter,
     pub quorum_changes: Counter,
+    pub rollbacks: Counter,
+    pub rollback_steps_lost: Counter,
     pub quorum_wait_seconds: Histogram,
     pub heartbeats: Counter,
     /// By the way they came: `stream` (on a heartbeat stream) or `call` (a call of
@@ -39,6 +41,8 @@ impl Metrics {
             live_replicas: Gauge::default(),
             quorums_issued: Counter::default(),
             quorum_changes: Counter::default(),
+            rollbacks: Counter::default(),
+            rollback_steps_lost: Counter::default(),
             // 100 µs to ~105 s.
             quorum_wait_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 21)),
             heartbeats: Counter::default(),
@@ -62,6 +66,17 @@ impl Metrics {
             "quorum_changes",
             "Quorums issued with a new id (membership changed or a commit failed)",
             m.quorum_changes.clone(),
+        );
+        registry.register(
+            "rollbacks",
+            "Quorums that started a new lineage: no group holding the job's newest state \
+             could come back",
+            m.rollbacks.clone(),
+        );
+        registry.register(
+            "rollback_steps_lost",
+            "Committed steps given up by rollbacks",
+            m.rollback_steps_lost.clone(),
         );
         registry.register(
             "quorum_wait_seconds",
@@ -377,6 +392,8 @@ mod tests {
             lost_kept_for_ms: 600_000,
             lost_kept: 32,
             last_commit_age_ms: 250,
+            newest: None,
+            rollbacks: Vec::new(),
         }
     }
 
@@ -484,6 +501,8 @@ mod tests {
             "refused_requests",
             "heartbeats",
             "quorum_changes",
+            "rollbacks",
+            "rollback_steps_lost",
         ] {
             assert!(
                 text.contains(&format!("# TYPE phalanx_lighthouse_{family} counter")),

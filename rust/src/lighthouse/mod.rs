@@ -4,6 +4,7 @@
 mod http;
 pub mod leadership;
 mod metrics;
+mod newest;
 mod pulse;
 mod service;
 pub mod set;
@@ -44,6 +45,9 @@ pub struct Tuning {
     pub join_timeout: Duration,
     /// How long a connected group may stay silent before it is declared dead.
     pub heartbeat_timeout: Duration,
+    /// How long the job waits for a group holding its newest state to come back
+    /// (after a cut, a pause) before it goes back to an older one (see `newest`).
+    pub rollback_after: Duration,
 }
 
 impl Tuning {
@@ -51,6 +55,7 @@ impl Tuning {
         min_replicas: 1,
         join_timeout: Duration::from_secs(1),
         heartbeat_timeout: Duration::from_secs(2),
+        rollback_after: Duration::from_secs(30),
     };
 }
 
@@ -61,6 +66,7 @@ pub struct LighthouseOptions {
     pub min_replicas: usize,
     pub join_timeout: Duration,
     pub heartbeat_timeout: Duration,
+    pub rollback_after: Duration,
     pub token: JobToken,
     /// Caps on connections (see `gate`).
     pub connections: GateLimits,
@@ -75,6 +81,7 @@ impl Default for LighthouseOptions {
             min_replicas: Tuning::DEFAULT.min_replicas,
             join_timeout: Tuning::DEFAULT.join_timeout,
             heartbeat_timeout: Tuning::DEFAULT.heartbeat_timeout,
+            rollback_after: Tuning::DEFAULT.rollback_after,
             token: JobToken::default(),
             connections: GateLimits::RPC,
             insecure: false,
@@ -99,6 +106,14 @@ impl LighthouseOptions {
                 "--heartbeat-timeout must be at least 10ms; groups beat every 100ms by default"
                     .into(),
             ));
+        }
+        if self.rollback_after < self.heartbeat_timeout {
+            return Err(Error::InvalidConfig(format!(
+                "--rollback-after ({:?}) is shorter than --heartbeat-timeout ({:?}): a group \
+                 holding the job's newest state would be given up before it is even known to \
+                 be silent; give at least the heartbeat timeout (default 30s)",
+                self.rollback_after, self.heartbeat_timeout
+            )));
         }
         Ok(())
     }
@@ -157,6 +172,7 @@ pub async fn serve_in_set(
             join_timeout: options.join_timeout,
         },
         options.heartbeat_timeout,
+        options.rollback_after,
     ));
     let (listener, bound) = server::bind(&options.bind).await?;
     check_exposure(&options, bound)?;

@@ -91,6 +91,10 @@ impl Shared {
         st.reset(why);
         if let Some(term) = term {
             st.raise_quorum_floor(quorum_id_floor(term));
+            // What the set knows of the job's newest state: never start below it.
+            if let Some(newest) = self.seat.get().and_then(|seat| seat.newest()) {
+                st.learn_newest(newest, Instant::now());
+            }
         }
         self.evaluate(&mut st, Instant::now());
     }
@@ -115,6 +119,14 @@ impl Shared {
                 .observe(issued.waited.as_secs_f64());
             if issued.changed {
                 self.metrics.quorum_changes.inc();
+            }
+            if let Some(steps_lost) = issued.rolled_back {
+                self.metrics.rollbacks.inc();
+                self.metrics.rollback_steps_lost.inc_by(steps_lost);
+            }
+            // The other lighthouses of a set hear of it on their next message.
+            if let (Some(seat), Some(newest)) = (self.seat.get(), st.newest_state()) {
+                seat.learn_newest(newest);
             }
             self.metrics.quorum_id.set(issued.quorum_id as i64);
         }

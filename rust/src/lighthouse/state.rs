@@ -15,13 +15,34 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+use super::newest::NewestState;
 use super::pulse::{Pulse, Training};
 use super::tally::Tally;
 use crate::gate::RefusalCounts;
 use crate::proto;
 use crate::quorum::{
-    self, Decision, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId, WaitReason,
+    self, Decision, Identity, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId,
+    WaitReason,
 };
+
+/// The rollbacks the status page lists (every one is counted in `/metrics`).
+pub const ROLLBACKS_KEPT: usize = 16;
+
+/// A quorum that started a new lineage, because no group holding the job's newest
+/// state could come back.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Rollback {
+    pub quorum_id: QuorumId,
+    /// The newest state, given up.
+    pub from: Identity,
+    /// Where the new lineage starts.
+    pub to: Identity,
+    /// Committed steps lost: `from.step - to.step` (0 when only the commit quorum of
+    /// one step differs).
+    pub steps_lost: u64,
+    /// When it was issued (Unix time, ms).
+    pub unix_ms: i64,
+}
 
 /// Lost groups stay on the status page (and in `/metrics`) this long, and at most
 /// `LOST_KEPT` of them: long enough to see what happened over a coffee break, few
@@ -212,11 +233,17 @@ pub struct Issued {
     pub quorum_id: QuorumId,
     pub changed: bool,
     pub waited: Duration,
+    /// It started a new lineage, losing this many committed steps.
+    pub rolled_back: Option<u64>,
 }
 
 pub struct LighthouseState {
     config: QuorumConfig,
     heartbeat_timeout: Duration,
+    /// The job's newest committed state and its holders (invariant I11).
+    newest: NewestState,
+    /// The job's rollbacks, oldest first (at most `ROLLBACKS_KEPT`).
+    rollbacks: VecDeque<Rollback>,
     replicas: HashMap<ReplicaId, Replica>,
     joiners: BTreeMap<ReplicaId, Joiner>,
     pending: HashMap<ReplicaId, PendingJoin>,
@@ -276,11 +303,17 @@ impl LiveSet for Fresh<'_> {
 }
 
 impl LighthouseState {
-    pub fn new(config: QuorumConfig, heartbeat_timeout: Duration) -> Self {
+    pub fn new(
+        config: QuorumConfig,
+        heartbeat_timeout: Duration,
+        rollback_after: Duration,
+    ) -> Self {
         let epoch = Instant::now();
         LighthouseState {
             config,
             heartbeat_timeout,
+            newest: NewestState::new(rollback_after),
+            rollbacks: VecDeque::new(),
             replicas: HashMap::new(),
             joiners: BTreeMap::new(),
             pending: HashMap::new(),
@@ -335,6 +368,11 @@ impl LighthouseState {
             }
         }
         self.beat(&id, member.step, last_quorum_id, now);
+        if member.torn {
+            self.newest.gone(&id);
+        } else {
+            self.newest.observe(&id, member.identity(), now);
+        }
         if let Some(old) = self.pending.remove(&id) {
             let _ = old.reply.send(Err(Status::aborted(
                 "superseded by a newer quorum request from the same replica group",
@@ -546,6 +584,11 @@ impl LighthouseState {
         // A group evicted as stalled still reads its stream: it is told, so that its
         // ranks dump what they were doing and exit to be restarted.
         self.engine_due = true;
+        // A process that died or exits took its state with it; one that went silent
+        // may come back with it.
+        if cause != Eviction::HeartbeatTimeout {
+            self.newest.gone(replica_id);
+        }
         let mut own = None;
         if let Some(r) = self.replicas.remove(replica_id) {
             r.pulse.retire();
@@ -780,6 +823,8 @@ impl LighthouseState {
         }
         self.previous = None;
         self.previous_at = None;
+        // Its holders are to be heard from again, as after a restart.
+        self.newest.restart(Instant::now());
         self.set_waiting(WaitReason::NoJoiners, None);
     }
 
@@ -800,13 +845,99 @@ impl LighthouseState {
             previous: self.previous.as_ref(),
             previous_at: self.previous_at,
             highest_seen_id: self.highest_seen_id(),
+            newest: self.newest.newest(),
             config: &self.config,
             now,
         })
     }
 
+    /// The groups that hold the newest state and beat are seen alive now.
+    fn see_live_holders(&mut self, now: Instant) {
+        let horizon = now.checked_sub(self.heartbeat_timeout);
+        let live: Vec<ReplicaId> = self
+            .newest
+            .holders()
+            .filter(|id| {
+                self.replicas
+                    .get(*id)
+                    .is_some_and(|r| horizon.is_none_or(|h| r.pulse.last_beat() > h))
+            })
+            .map(str::to_string)
+            .collect();
+        for id in live {
+            self.newest.seen(&id, now);
+        }
+    }
+
+    /// The job's newest committed state, as far as this lighthouse knows.
+    pub fn newest_state(&self) -> Option<Identity> {
+        self.newest.state()
+    }
+
+    /// Another lighthouse of the set knows of `identity` (see `NewestState::learn`).
+    pub fn learn_newest(&mut self, identity: Identity, now: Instant) {
+        self.newest.learn(identity, now);
+    }
+
+    pub fn rollbacks(&self) -> impl Iterator<Item = &Rollback> {
+        self.rollbacks.iter()
+    }
+
+    /// Records a quorum that starts a new lineage, and says so loudly.
+    /// Returns the steps lost.
+    fn rolled_back(&mut self, quorum: &Quorum, from: Identity, now: Instant, unix_ms: i64) -> u64 {
+        let start: Vec<&quorum::Member> = quorum
+            .members
+            .iter()
+            .filter(|m| m.lineage == quorum.lineage && !m.torn)
+            .collect();
+        let to = start.first().map_or(
+            Identity {
+                lineage: quorum.lineage,
+                ..Identity::default()
+            },
+            |m| m.identity(),
+        );
+        let steps_lost = from.step.saturating_sub(to.step).max(0) as u64;
+        let holders: Vec<String> = self.newest.holders().map(str::to_string).collect();
+        tracing::error!(
+            quorum_id = quorum.id,
+            steps_lost,
+            "ROLLBACK: the job's newest state, {from}, is held by no group that can come \
+             back (last holders: {}); quorum {} starts lineage {} from {to}, held by {}: \
+             the steps committed after step {} are lost",
+            if holders.is_empty() {
+                "gone".to_string()
+            } else {
+                holders.join(", ")
+            },
+            quorum.id,
+            quorum.lineage,
+            start
+                .iter()
+                .map(|m| m.replica_id.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            to.step,
+        );
+        self.newest
+            .rolled_back(to, start.iter().map(|m| m.replica_id.as_str()), now);
+        if self.rollbacks.len() == ROLLBACKS_KEPT {
+            self.rollbacks.pop_front();
+        }
+        self.rollbacks.push_back(Rollback {
+            quorum_id: quorum.id,
+            from,
+            to,
+            steps_lost,
+            unix_ms,
+        });
+        steps_lost
+    }
+
     /// Runs the engine; on a quorum, answers every member's pending request.
     pub fn evaluate(&mut self, now: Instant, unix_ms: i64) -> Option<Issued> {
+        self.see_live_holders(now);
         let quorum = match self.decide(now) {
             Decision::Wait { until, reason } => {
                 self.set_waiting(reason, until);
@@ -821,11 +952,16 @@ impl LighthouseState {
             .min()
             .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         let changed = self.previous.as_ref().is_none_or(|p| p.id != quorum.id);
+        let rolled_back = quorum
+            .rolled_back_from
+            .map(|from| self.rolled_back(&quorum, from, now, unix_ms));
         let reply = Bytes::from(
             proto::Quorum {
                 quorum_id: quorum.id,
                 participants: quorum.members.iter().cloned().map(Into::into).collect(),
                 issued_at_unix_ms: unix_ms,
+                lineage: quorum.lineage,
+                rolled_back_from: quorum.rolled_back_from.map(Into::into),
             }
             .encode_to_vec(),
         );
@@ -855,6 +991,7 @@ impl LighthouseState {
             quorum_id: quorum.id,
             changed,
             waited,
+            rolled_back,
         };
         self.previous = Some(quorum);
         self.previous_at = Some(now);
@@ -1054,6 +1191,8 @@ impl LighthouseState {
             lost_kept_for_ms: LOST_KEPT_FOR.as_millis() as u64,
             lost_kept: LOST_KEPT as u32,
             last_commit_age_ms: ms_since(self.last_commit, now),
+            newest: self.newest.state(),
+            rollbacks: self.rollbacks.iter().rev().cloned().collect(),
         }
     }
 
@@ -1151,6 +1290,10 @@ pub struct Snapshot {
     pub lost_kept: u32,
     /// Since some group last committed a step (or since the lighthouse started).
     pub last_commit_age_ms: u64,
+    /// The job's newest committed state, as far as this lighthouse knows.
+    pub newest: Option<Identity>,
+    /// The job's rollbacks (new lineages), most recent first.
+    pub rollbacks: Vec<Rollback>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -1206,8 +1349,11 @@ mod tests {
                 join_timeout: Duration::from_secs(1),
             },
             Duration::from_secs(2),
+            ROLLBACK_AFTER,
         )
     }
+
+    const ROLLBACK_AFTER: Duration = Duration::from_secs(30);
 
     fn member(id: &str) -> quorum::Member {
         quorum::Member {
@@ -1951,5 +2097,108 @@ mod tests {
             s.sample_steps(at(second * 1000));
         }
         assert_eq!(rate(&s, 5000), Some(1.0));
+    }
+    fn ask(
+        s: &mut LighthouseState,
+        id: &str,
+        held: Identity,
+        now: Instant,
+    ) -> oneshot::Receiver<QuorumReply> {
+        let (tx, rx) = oneshot::channel();
+        let m = quorum::Member {
+            lineage: held.lineage,
+            step: held.step,
+            state_quorum_id: held.state_quorum_id,
+            ..member(id)
+        };
+        s.join(m, 0, now, tx).unwrap();
+        rx
+    }
+
+    fn at(lineage: u64, step: i64, state_quorum_id: u64) -> Identity {
+        Identity {
+            lineage,
+            step,
+            state_quorum_id,
+        }
+    }
+
+    #[test]
+    fn a_stale_group_back_from_a_cut_waits_for_the_holders_that_went_silent() {
+        let t = Instant::now();
+        let secs = |n: u64| t + Duration::from_secs(n);
+        let mut s = state();
+        let (_g1, _e1) = open(&mut s, "g1", t);
+        let (_g3, _e3) = open(&mut s, "g3", t);
+        let q = form_quorum(&mut s, &["g1", "g3"], t);
+        // g1 and g3 committed up to step 296 in quorum q, then went silent (their
+        // host was cut off); g2 is back with the step it had, 186.
+        drop((
+            ask(&mut s, "g1", at(0, 296, q.quorum_id), t),
+            ask(&mut s, "g3", at(0, 296, q.quorum_id), t),
+        ));
+        s.evaluate(t, 0);
+        assert_eq!(s.expire(secs(3)).len(), 2);
+        let mut g2 = ask(&mut s, "g2", at(0, 186, 1), secs(3));
+        s.evaluate(secs(3), 0);
+        assert!(g2.try_recv().is_err(), "no quorum below the newest state");
+        assert!(
+            s.waiting_reason(secs(3)).to_string().contains("step 296"),
+            "{}",
+            s.waiting_reason(secs(3))
+        );
+        // The wait lasts --rollback-after from when a holder was last seen; then the
+        // job goes on from g2's state as a new lineage, announced.
+        assert_eq!(s.waiting_until(), Some(t + ROLLBACK_AFTER));
+        let mut g2 = ask(&mut s, "g2", at(0, 186, 1), secs(31));
+        s.evaluate(secs(31), 0).expect("a quorum");
+        let issued = decoded(g2.try_recv().unwrap());
+        assert_eq!(issued.lineage, issued.quorum_id);
+        assert_eq!(issued.participants[0].lineage, issued.quorum_id);
+        let rollback = s.rollbacks().next().unwrap();
+        assert_eq!(
+            (rollback.from, rollback.steps_lost),
+            (at(0, 296, q.quorum_id), 110)
+        );
+        assert_eq!(s.snapshot(secs(31)).rollbacks.len(), 1);
+        assert_eq!(s.newest_state(), Some(at(issued.quorum_id, 186, 1)));
+    }
+
+    #[test]
+    fn holders_that_crashed_or_were_evicted_as_stalled_are_not_waited_for() {
+        let t = Instant::now();
+        let mut s = state();
+        let ((a_stream, _), _a) = open(&mut s, "a", t);
+        let q = form_quorum(&mut s, &["a"], t);
+        drop(ask(&mut s, "a", at(0, 401, q.quorum_id), t));
+        s.evaluate(t, 0);
+        assert_eq!(
+            s.close_stream("a", a_stream, t),
+            Some(Eviction::StreamBroken)
+        );
+        // Restarted empty, at once: nothing to wait for, the job goes back loudly.
+        let mut a = ask(&mut s, "a", at(0, 0, 0), t);
+        s.evaluate(t, 0).expect("a quorum at once");
+        let issued = decoded(a.try_recv().unwrap());
+        assert_eq!(issued.rolled_back_from.map(|r| r.step), Some(401));
+    }
+
+    #[test]
+    fn a_quorum_at_the_newest_state_goes_on_while_a_stale_group_heals() {
+        let t = Instant::now();
+        let mut s = state();
+        let q = form_quorum(&mut s, &["g1", "g3"], t);
+        let (a, b, c) = (
+            ask(&mut s, "g1", at(0, 296, q.quorum_id), t),
+            ask(&mut s, "g2", at(0, 186, 1), t),
+            ask(&mut s, "g3", at(0, 296, q.quorum_id), t),
+        );
+        s.evaluate(t, 0).expect("a quorum at once");
+        for mut reply in [a, b, c] {
+            let issued = decoded(reply.try_recv().unwrap());
+            assert_eq!((issued.lineage, issued.rolled_back_from), (0, None));
+            assert_eq!(issued.participants.len(), 3);
+        }
+        assert!(s.rollbacks().next().is_none());
     }
 }

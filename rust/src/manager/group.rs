@@ -28,6 +28,7 @@ pub struct RankRequest {
     pub state_address: String,
     pub shrink_only: bool,
     pub state_quorum_id: u64,
+    pub lineage: u64,
     pub torn: bool,
     pub reply: Reply<proto::ManagerQuorumResponse>,
 }
@@ -59,10 +60,11 @@ impl Gathering {
     /// Whether the group's state is unusable: a rank says so, or the ranks disagree on
     /// which state they hold, so they cannot all hold the job's.
     fn torn(&self) -> bool {
-        let first = self.ranks.values().next().map(|r| r.state_quorum_id);
+        let held = |r: &RankRequest| (r.lineage, r.state_quorum_id);
+        let first = self.ranks.values().next().map(held);
         self.ranks
             .values()
-            .any(|r| r.torn || Some(r.state_quorum_id) != first)
+            .any(|r| r.torn || Some(held(r)) != first)
     }
 }
 
@@ -258,7 +260,8 @@ impl GroupState {
             shrink_only: ranks.clone().any(|r| r.shrink_only),
             commit_failures: self.commit_failures,
             state_addresses: ranks.clone().map(|r| r.state_address.clone()).collect(),
-            state_quorum_id: ranks.map(|r| r.state_quorum_id).max().unwrap_or(0),
+            state_quorum_id: ranks.clone().map(|r| r.state_quorum_id).max().unwrap_or(0),
+            lineage: ranks.map(|r| r.lineage).max().unwrap_or(0),
             torn: gathering.torn(),
         };
         (member, self.last_quorum_id)
@@ -400,6 +403,7 @@ mod tests {
             state_address: format!("state-{state_quorum_id}:1"),
             shrink_only: false,
             state_quorum_id,
+            lineage: 0,
             torn: false,
             reply,
         };

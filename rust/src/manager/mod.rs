@@ -317,6 +317,7 @@ impl Manager for ManagerService {
             state_address: req.state_address,
             shrink_only: req.shrink_only,
             state_quorum_id: req.state_quorum_id,
+            lineage: req.lineage,
             torn: req.torn,
             reply,
         };

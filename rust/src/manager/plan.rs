@@ -4,34 +4,25 @@
 use tonic::Status;
 
 use crate::proto;
+use crate::quorum::Identity;
 
-/// Which state a group holds: its step and the quorum that committed that step.
-/// Two groups at one step hold the same bytes only if one quorum committed it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Identity {
-    pub step: i64,
-    pub state_quorum_id: u64,
-}
-
-impl Identity {
-    pub fn of(m: &proto::Member) -> Identity {
-        Identity {
-            step: m.step,
-            state_quorum_id: m.state_quorum_id,
-        }
+/// Which state `m` holds: two groups hold the same bytes only if their lineage, step
+/// and commit quorum are the same.
+fn identity(m: &proto::Member) -> Identity {
+    Identity {
+        lineage: m.lineage,
+        step: m.step,
+        state_quorum_id: m.state_quorum_id,
     }
 }
 
-/// The state the quorum trains on: the most advanced sound one, and among states of
-/// one step the one committed last (a group that committed that step in an earlier
-/// quorum was dropped from it, and its peers went on without it). None when every
-/// participant is torn.
+/// The state the quorum trains on: the most advanced sound one of the newest
+/// lineage, and among states of one step the one committed last (a group that
+/// committed that step in an earlier quorum was dropped from it, and its peers went
+/// on without it). The lighthouse relabels the start of a new lineage, so it is the
+/// newest. None when every participant is torn.
 pub fn job_state(participants: &[proto::Member]) -> Option<Identity> {
-    participants
-        .iter()
-        .filter(|m| !m.torn)
-        .map(Identity::of)
-        .max()
+    participants.iter().filter(|m| !m.torn).map(identity).max()
 }
 
 /// The answer for `group_rank` of group `replica_id`.
@@ -67,7 +58,7 @@ pub fn rank_plan(
         if first_sync {
             Some(&m.replica_id) == first_sound
         } else {
-            !m.torn && Some(Identity::of(m)) == target
+            !m.torn && Some(identity(m)) == target
         }
     };
     let heal = !source(me);
@@ -92,6 +83,7 @@ pub fn rank_plan(
     let contributors = participants.iter().filter(|m| source(m)).count();
     let serves_healers = !heal && contributors < participants.len();
     let target = target.unwrap_or(Identity {
+        lineage: quorum.lineage,
         step: participants.iter().map(|m| m.step).max().unwrap_or(0),
         state_quorum_id: 0,
     });
@@ -108,6 +100,8 @@ pub fn rank_plan(
         recovery_sources,
         contributors: contributors as u32,
         serves_healers,
+        lineage: quorum.lineage,
+        rolled_back_from: quorum.rolled_back_from,
         store_address: primary.store_address.clone(),
         store_prefix: format!("{}/r{group_rank}", quorum_store_prefix(quorum.quorum_id)),
     })
@@ -138,7 +132,7 @@ mod tests {
         proto::Quorum {
             quorum_id: 7,
             participants: members,
-            issued_at_unix_ms: 0,
+            ..Default::default()
         }
     }
 
@@ -211,6 +205,22 @@ mod tests {
         let a = rank_plan(&q, "a", 0, true).unwrap();
         assert!(!a.heal && a.serves_healers);
         assert_eq!(a.contributors, 2);
+    }
+
+    #[test]
+    fn a_state_of_an_older_lineage_heals_whatever_its_step() {
+        // The job went back to step 186 as lineage 9; the holder of the old lineage's
+        // step 296 is back: its state is not the job's any more.
+        let mut new = committed_in(member("a", 190), 12);
+        new.lineage = 9;
+        let old = committed_in(member("b", 296), 8);
+        let mut q = quorum(vec![new, old]);
+        q.lineage = 9;
+        let b = rank_plan(&q, "b", 1, true).unwrap();
+        assert!(b.heal);
+        assert_eq!((b.lineage, b.max_step, b.max_state_quorum_id), (9, 190, 12));
+        assert_eq!(b.recovery_sources.len(), 1);
+        assert!(!rank_plan(&q, "a", 1, true).unwrap().heal);
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -42,6 +42,7 @@ impl LighthouseServer {
         peers: Option<Vec<String>>,
         id: Option<u64>,
         state_file: Option<std::path::PathBuf>,
+        rollback_after: Option<f64>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
         let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
@@ -54,6 +55,9 @@ impl LighthouseServer {
                 .map_or(Ok(defaults.join_timeout), |s| seconds("join_timeout", s))?,
             heartbeat_timeout: heartbeat_timeout.map_or(Ok(defaults.heartbeat_timeout), |s| {
                 seconds("heartbeat_timeout", s)
+            })?,
+            rollback_after: rollback_after.map_or(Ok(defaults.rollback_after), |s| {
+                seconds("rollback_after", s)
             })?,
             token: JobToken::new(token),
             connections: GateLimits::RPC,
@@ -136,11 +140,7 @@ impl LighthouseClient {
         let q = wait(py, async move {
             client.quorum(member, last_quorum_id, timeout).await
         })?;
-        Ok(Quorum {
-            quorum_id: q.quorum_id,
-            participants: q.participants.into_iter().map(Into::into).collect(),
-            issued_at_unix_ms: q.issued_at_unix_ms,
-        })
+        Ok(q.into())
     }
 
     #[pyo3(signature = (timeout = 5.0))]
@@ -224,6 +224,7 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     out.set_item("min_replicas", tuning.min_replicas)?;
     out.set_item("join_timeout", tuning.join_timeout.as_secs_f64())?;
     out.set_item("heartbeat_timeout", tuning.heartbeat_timeout.as_secs_f64())?;
+    out.set_item("rollback_after", tuning.rollback_after.as_secs_f64())?;
     Ok(out)
 }
 

@@ -173,7 +173,7 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0))]
     #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
@@ -187,6 +187,7 @@ impl ManagerClient {
         torn: bool,
         state_refused: Option<HashMap<String, u64>>,
         healed_bytes: u64,
+        lineage: u64,
     ) -> PyResult<QuorumResult> {
         self.start_quorum(
             group_rank,
@@ -198,13 +199,14 @@ impl ManagerClient {
             torn,
             state_refused,
             healed_bytes,
+            lineage,
         )?
         .result(py)
     }
 
     /// `quorum()` in the background: returns at once, and `result()` of what it
     /// returns waits for the quorum. Ask before the forward pass, take it after.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0))]
     #[allow(clippy::too_many_arguments)]
     fn start_quorum(
         &self,
@@ -217,6 +219,7 @@ impl ManagerClient {
         torn: bool,
         state_refused: Option<HashMap<String, u64>>,
         healed_bytes: u64,
+        lineage: u64,
     ) -> PyResult<PendingQuorum> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
@@ -232,6 +235,7 @@ impl ManagerClient {
                 .map(|(reason, count)| proto::RefusalCount { reason, count })
                 .collect(),
             healed_bytes,
+            lineage,
             ..Default::default()
         };
         let client = self.inner.clone();

@@ -29,6 +29,7 @@ pub struct Member {
     pub(super) state_addresses: Vec<String>,
     pub(super) state_quorum_id: u64,
     pub(super) torn: bool,
+    pub(super) lineage: u64,
 }
 
 impl From<proto::Member> for Member {
@@ -44,6 +45,26 @@ impl From<proto::Member> for Member {
             state_addresses: m.state_addresses,
             state_quorum_id: m.state_quorum_id,
             torn: m.torn,
+            lineage: m.lineage,
+        }
+    }
+}
+
+/// Which state a group holds: its lineage, step and commit quorum.
+#[pyclass(module = "phalanx._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct StateIdentity {
+    pub(super) lineage: u64,
+    pub(super) step: i64,
+    pub(super) state_quorum_id: u64,
+}
+
+impl From<proto::StateIdentity> for StateIdentity {
+    fn from(i: proto::StateIdentity) -> Self {
+        StateIdentity {
+            lineage: i.lineage,
+            step: i.step,
+            state_quorum_id: i.state_quorum_id,
         }
     }
 }
@@ -55,6 +76,20 @@ pub struct Quorum {
     pub(super) quorum_id: u64,
     pub(super) participants: Vec<Member>,
     pub(super) issued_at_unix_ms: i64,
+    pub(super) lineage: u64,
+    pub(super) rolled_back_from: Option<StateIdentity>,
+}
+
+impl From<proto::Quorum> for Quorum {
+    fn from(q: proto::Quorum) -> Self {
+        Quorum {
+            quorum_id: q.quorum_id,
+            participants: q.participants.into_iter().map(Into::into).collect(),
+            issued_at_unix_ms: q.issued_at_unix_ms,
+            lineage: q.lineage,
+            rolled_back_from: q.rolled_back_from.map(Into::into),
+        }
+    }
 }
 
 /// An up-to-date peer a healing rank downloads from.
@@ -81,6 +116,10 @@ pub struct QuorumResult {
     pub(super) serves_healers: bool,
     pub(super) store_address: String,
     pub(super) store_prefix: String,
+    /// The lineage the quorum trains in (see `StateIdentity`).
+    pub(super) lineage: u64,
+    /// Set when this quorum starts a new lineage: the newest state, given up.
+    pub(super) rolled_back_from: Option<StateIdentity>,
 }
 
 impl From<proto::ManagerQuorumResponse> for QuorumResult {
@@ -105,6 +144,8 @@ impl From<proto::ManagerQuorumResponse> for QuorumResult {
             serves_healers: r.serves_healers,
             store_address: r.store_address,
             store_prefix: r.store_prefix,
+            lineage: r.lineage,
+            rolled_back_from: r.rolled_back_from.map(Into::into),
         }
     }
 }
@@ -183,6 +224,7 @@ debug_repr!(
     Quorum,
     RecoverySource,
     QuorumResult,
+    StateIdentity,
     MembershipLost,
     ReplicaStatus,
     LighthouseStatus
@@ -193,6 +235,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Quorum>()?;
     m.add_class::<RecoverySource>()?;
     m.add_class::<QuorumResult>()?;
+    m.add_class::<StateIdentity>()?;
     m.add_class::<CommitDecision>()?;
     m.add_class::<MembershipLost>()?;
     m.add_class::<LighthouseStatus>()?;
