@@ -3,7 +3,7 @@
 //! answer, after which the call fails with a timeout rather than waiting on.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use prost::Message;
@@ -45,6 +45,14 @@ pub(crate) fn channel(
     token: &JobToken,
     connect_timeout: Duration,
 ) -> Result<(Channel, AttachToken), Error> {
+    let channel = endpoint(address, connect_timeout)?.connect_lazy();
+    let attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
+    Ok((channel, attach))
+}
+
+/// Where `channel` connects to, and how: each `connect_lazy` of it is a connection of
+/// its own.
+fn endpoint(address: &str, connect_timeout: Duration) -> Result<Endpoint, Error> {
     let uri = if address.contains("://") {
         address.to_string()
     } else {
@@ -62,14 +70,11 @@ pub(crate) fn channel(
              port from 1 to 65535"
         )));
     }
-    let channel = endpoint
+    Ok(endpoint
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .connect_lazy();
-    let attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
-    Ok((channel, attach))
+        .keep_alive_timeout(Duration::from_secs(20)))
 }
 
 /// Runs one call under a deadline and words transport failures for the user.
@@ -79,10 +84,25 @@ pub(crate) async fn call<T>(
     timeout: Duration,
     fut: impl Future<Output = Result<tonic::Response<T>, Status>>,
 ) -> Result<T, Error> {
-    match tokio::time::timeout(timeout + GRACE, fut).await {
-        Ok(Ok(response)) => Ok(response.into_inner()),
-        Ok(Err(status)) => Err(word(what, address, status)),
-        Err(_) => Err(Error::Rpc(Status::deadline_exceeded(format!(
+    answer(what, address, timeout, within(timeout, fut).await)
+}
+
+/// What `fut` answered by its deadline (the caller's timeout and the grace); None:
+/// nothing came, not even the server's own "too late".
+async fn within<R>(timeout: Duration, fut: impl Future<Output = R>) -> Option<R> {
+    tokio::time::timeout(timeout + GRACE, fut).await.ok()
+}
+
+fn answer<T>(
+    what: &'static str,
+    address: &str,
+    timeout: Duration,
+    answered: Option<Result<tonic::Response<T>, Status>>,
+) -> Result<T, Error> {
+    match answered {
+        Some(Ok(response)) => Ok(response.into_inner()),
+        Some(Err(status)) => Err(word(what, address, status)),
+        None => Err(Error::Rpc(Status::deadline_exceeded(format!(
             "no answer from the {what} at {address} within {:.3} s",
             timeout.as_secs_f64()
         )))),
@@ -130,17 +150,80 @@ pub(crate) fn decode_quorum(encoded: bytes::Bytes, address: &str) -> Result<prot
     })
 }
 
+/// How long one attempt to connect to a lighthouse may take. A SYN lost to a cut is
+/// sent again by the kernel only after 1 s, then 3 s more; a new attempt this soon
+/// sends a fresh one, so that a group reaches its lighthouse within about this much of
+/// the cut's end. Every lighthouse call that matters is asked again on failure (the
+/// heartbeat, `quorum_patiently`), so a short attempt costs nothing else.
+pub(crate) const CONNECT_ATTEMPT: Duration = Duration::from_millis(500);
+
+type Client = proto::lighthouse_client::LighthouseClient<Authed>;
+
+/// Which lighthouse a client asks now, and over which connection: `epoch` counts every
+/// change of either, so that a call can tell that the route it went out on was given up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub index: usize,
+    pub epoch: u64,
+}
+
+/// One lighthouse's connection, swapped for a fresh one when a stream over it goes
+/// silent.
+struct Link {
+    endpoint: Endpoint,
+    attach: AttachToken,
+    /// The client of the connection in use, and the first epoch it serves in.
+    client: Mutex<(u64, Client)>,
+}
+
+impl Link {
+    fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
+        let endpoint = endpoint(address, connect_timeout.min(CONNECT_ATTEMPT))?;
+        let attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
+        let client = Link::connect(&endpoint, &attach);
+        Ok(Link {
+            endpoint,
+            attach,
+            client: Mutex::new((0, client)),
+        })
+    }
+
+    /// A client over a connection of its own, made on its first call.
+    fn connect(endpoint: &Endpoint, attach: &AttachToken) -> Client {
+        proto::lighthouse_client::LighthouseClient::with_interceptor(
+            endpoint.connect_lazy(),
+            attach.clone(),
+        )
+        .max_decoding_message_size(MAX_RESPONSE_BYTES)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, Client)> {
+        self.client.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What one call on the current route came to.
+struct Attempt<T> {
+    route: Route,
+    result: Result<T, Error>,
+    /// The route was given up while the call waited (another call moved the client,
+    /// or a stream found the connection silent): worth asking again at once.
+    superseded: bool,
+}
+
 /// A client of the job's lighthouse, or of a set of them (`a:p,b:p,c:p`): calls go to
 /// one lighthouse at a time, the one that served last; a call that cannot reach it, or
 /// that it refuses because another serves, moves every clone of this client to the
 /// lighthouse it names (`lighthouse::set::LEADER_KEY`), or else to the next in the list.
+/// A heartbeat stream that goes silent gives up its connection for a fresh one
+/// ([`Self::went_silent`]), and every call waiting on the old one asks again.
 #[derive(Clone)]
 pub struct LighthouseClient {
     addresses: Arc<Vec<String>>,
-    inners: Vec<proto::lighthouse_client::LighthouseClient<Authed>>,
-    /// The index of the lighthouse asked now, shared by clones: a group's heartbeat and
-    /// its quorum requests follow the same one.
-    current: Arc<watch::Sender<usize>>,
+    links: Arc<Vec<Link>>,
+    /// The route asked now, shared by clones: a group's heartbeat and its quorum
+    /// requests follow the same one.
+    current: Arc<watch::Sender<Route>>,
 }
 
 /// Whether a failed call says nothing serves there: not reachable, or refused as not
@@ -168,7 +251,8 @@ fn leader_hint(error: &Error) -> Option<String> {
 impl LighthouseClient {
     /// Does not connect yet: the first call does, and a lost connection is re-made
     /// on the next call (the lighthouse may restart at any time). `address` is one
-    /// host:port, or a comma-separated list of a set's lighthouses.
+    /// host:port, or a comma-separated list of a set's lighthouses. One attempt to
+    /// connect takes at most `connect_timeout`, and never more than `CONNECT_ATTEMPT`.
     pub fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
         let addresses: Vec<String> = address
             .split(',')
@@ -182,26 +266,20 @@ impl LighthouseClient {
                  for a set of lighthouses"
             )));
         }
-        let inners = addresses
+        let links = addresses
             .iter()
-            .map(|a| {
-                let (channel, attach) = channel(a, token, connect_timeout)?;
-                Ok(
-                    proto::lighthouse_client::LighthouseClient::with_interceptor(channel, attach)
-                        .max_decoding_message_size(MAX_RESPONSE_BYTES),
-                )
-            })
+            .map(|a| Link::new(a, token, connect_timeout))
             .collect::<Result<_, Error>>()?;
         Ok(LighthouseClient {
             addresses: Arc::new(addresses),
-            inners,
-            current: Arc::new(watch::channel(0).0),
+            links: Arc::new(links),
+            current: Arc::new(watch::channel(Route { index: 0, epoch: 0 }).0),
         })
     }
 
     /// The lighthouse asked now.
     pub fn address(&self) -> &str {
-        &self.addresses[self.lighthouse_index()]
+        &self.addresses[self.route().index]
     }
 
     /// Every lighthouse this client may ask.
@@ -209,72 +287,101 @@ impl LighthouseClient {
         &self.addresses
     }
 
-    pub fn lighthouse_index(&self) -> usize {
+    pub fn route(&self) -> Route {
         *self.current.borrow()
     }
 
-    /// After a failed call to lighthouse `at`: moves to the one the refusal names, or
+    /// After a failed call on route `at`: moves to the lighthouse the refusal names, or
     /// else to the next. Returns whether a lighthouse was named (worth asking at once).
-    pub fn move_on(&self, at: usize, error: &Error) -> bool {
+    pub fn move_on(&self, at: Route, error: &Error) -> bool {
         let n = self.addresses.len();
         if n == 1 || !unreachable(error) {
             return false;
         }
         let named = leader_hint(error).and_then(|a| self.addresses.iter().position(|x| *x == a));
-        let next = named.unwrap_or((at + 1) % n);
-        self.current.send_if_modified(|c| {
-            let moved = *c == at && next != at;
+        let next = named.unwrap_or((at.index + 1) % n);
+        let moved = self.current.send_if_modified(|c| {
+            // A failure on a route given up since says nothing of the current one.
+            let moved = *c == at && next != at.index;
             if moved {
-                *c = next;
+                *c = Route {
+                    index: next,
+                    epoch: c.epoch + 1,
+                };
             }
             moved
         });
-        if named.is_none() {
+        if moved && named.is_none() {
             tracing::info!(
                 "the lighthouse at {} does not serve; trying {}",
-                self.addresses[at],
+                self.addresses[at.index],
                 self.addresses[next]
             );
         }
         named.is_some()
     }
 
-    /// Moves past lighthouse `at` (a heartbeat stream to it went silent).
-    pub fn move_past(&self, at: usize, why: &str) {
-        self.move_on(
-            at,
-            &Error::Rpc(Status::unavailable(format!(
-                "the lighthouse at {} {why}",
-                self.addresses[at]
-            ))),
-        );
+    /// A heartbeat stream opened on route `at` heard nothing for too long: its
+    /// connection is given up for a fresh one. A connection into a cut sits in the
+    /// kernel's retransmission backoff, seconds after the network is back, and
+    /// HTTP/2 keepalive would take half a minute to close it; a new one is made as
+    /// soon as the lighthouse can be reached. Every call still waiting on the route
+    /// asks again, and in a set the next lighthouse is tried.
+    pub fn went_silent(&self, at: Route) {
+        let n = self.addresses.len();
+        self.current.send_if_modified(|c| {
+            let link = &self.links[at.index];
+            {
+                let mut client = link.lock();
+                if client.0 > at.epoch {
+                    // Given up already, since that stream opened.
+                    return false;
+                }
+                *client = (c.epoch + 1, Link::connect(&link.endpoint, &link.attach));
+            }
+            if c.index != at.index {
+                return false;
+            }
+            c.epoch += 1;
+            if n > 1 {
+                c.index = (at.index + 1) % n;
+            }
+            true
+        });
     }
 
-    /// Runs one call on lighthouse `at`; in a set, gives up on it as soon as another
-    /// call moved this client elsewhere, and moves on when it does not serve.
-    async fn on_current<T, F, Fut>(&self, f: F) -> Result<T, Error>
+    /// Runs one call on the current route, up to `timeout` and the grace; gives up on
+    /// it as soon as another call moved this client elsewhere or its connection was
+    /// given up, and moves on when the lighthouse does not serve. A call that hears
+    /// nothing at all by its deadline gives up its connection as a silent stream does.
+    async fn on_route<T, F, Fut>(&self, timeout: Duration, f: F) -> Attempt<T>
     where
-        F: FnOnce(proto::lighthouse_client::LighthouseClient<Authed>, String) -> Fut,
-        Fut: Future<Output = Result<T, Error>>,
+        F: FnOnce(Client) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
-        let at = self.lighthouse_index();
-        let address = self.addresses[at].clone();
-        let call = f(self.inners[at].clone(), address.clone());
-        let result = if self.addresses.len() == 1 {
-            call.await
-        } else {
-            let mut moved = self.current.subscribe();
-            tokio::select! {
-                r = call => r,
-                _ = moved.wait_for(|c| *c != at) => Err(Error::Rpc(Status::unavailable(format!(
-                    "left the lighthouse at {address}: another call found it does not serve"
-                )))),
+        let at = self.route();
+        let address = &self.addresses[at.index];
+        let call = within(timeout, f(self.links[at.index].lock().1.clone()));
+        let mut moved = self.current.subscribe();
+        let (result, superseded) = tokio::select! {
+            answered = call => {
+                if answered.is_none() {
+                    self.went_silent(at);
+                }
+                (answer("lighthouse", address, timeout, answered), false)
             }
+            _ = moved.wait_for(|c| *c != at) => (Err(Error::Rpc(Status::unavailable(format!(
+                "left the lighthouse at {address}: another call found it silent, or not serving"
+            )))), true),
         };
         if let Err(e) = &result {
             self.move_on(at, e);
         }
-        result
+        Attempt {
+            route: at,
+            result,
+            superseded,
+        }
     }
 
     /// Waits for a quorum that includes `requester`, up to `timeout`.
@@ -284,16 +391,17 @@ impl LighthouseClient {
         last_quorum_id: u64,
         timeout: Duration,
     ) -> Result<proto::Quorum, Error> {
-        let encoded = self
-            .quorum_encoded(requester, last_quorum_id, timeout)
-            .await?;
-        decode_quorum(encoded, self.address())
+        let attempt = self
+            .quorum_attempt(requester, last_quorum_id, timeout)
+            .await;
+        self.decoded(attempt)
     }
 
-    /// Like [`Self::quorum`], but a lighthouse that cannot be reached (down, or
-    /// restarting) is asked again, with backoff and jitter, until `timeout`: a step
-    /// waits for its quorum instead of failing at once, and a lighthouse back on its
-    /// address is used again within `MAX_RETRY_BACKOFF` of its return.
+    /// Like [`Self::quorum`], but a lighthouse that cannot be reached (down,
+    /// restarting, or cut off) is asked again, with backoff and jitter, until
+    /// `timeout`: a step waits for its quorum instead of failing at once, and a
+    /// lighthouse back on its address is used again within `MAX_RETRY_BACKOFF` of its
+    /// return (within `CONNECT_ATTEMPT` of a cut's end).
     pub async fn quorum_patiently(
         &self,
         requester: proto::Member,
@@ -304,12 +412,20 @@ impl LighthouseClient {
         let mut backoff = MIN_RETRY_BACKOFF;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let result = self.quorum(requester.clone(), last_quorum_id, left).await;
+            let started = Instant::now();
+            let attempt = self
+                .quorum_attempt(requester.clone(), last_quorum_id, left)
+                .await;
+            let superseded = attempt.superseded;
+            let result = self.decoded(attempt);
             let unreachable = matches!(&result, Err(e) if unreachable(e));
-            // A refusal that names the serving lighthouse of a set is followed at once.
             let pause = match &result {
+                // Given up for a fresh connection, or the serving lighthouse of a set
+                // was named: asked again at once.
+                _ if superseded => Duration::ZERO,
                 Err(e) if self.addresses.len() > 1 && leader_hint(e).is_some() => Duration::ZERO,
-                _ => jittered(backoff),
+                // An attempt that took the pause (a connect into a cut) has waited it.
+                _ => jittered(backoff).saturating_sub(started.elapsed()),
             };
             if !unreachable || Instant::now() + pause >= deadline {
                 return result;
@@ -326,6 +442,17 @@ impl LighthouseClient {
         last_quorum_id: u64,
         timeout: Duration,
     ) -> Result<bytes::Bytes, Error> {
+        self.quorum_attempt(requester, last_quorum_id, timeout)
+            .await
+            .result
+    }
+
+    async fn quorum_attempt(
+        &self,
+        requester: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Attempt<bytes::Bytes> {
         let request = with_timeout(
             proto::LighthouseQuorumRequest {
                 protocol_version: PROTOCOL_VERSION,
@@ -335,20 +462,33 @@ impl LighthouseClient {
             },
             timeout,
         );
-        let response = self
-            .on_current(|mut client, address| async move {
-                call("lighthouse", &address, timeout, client.quorum(request)).await
-            })
-            .await?;
-        Ok(response.quorum)
+        let attempt = self
+            .on_route(
+                timeout,
+                |mut client| async move { client.quorum(request).await },
+            )
+            .await;
+        Attempt {
+            route: attempt.route,
+            result: attempt.result.map(|response| response.quorum),
+            superseded: attempt.superseded,
+        }
+    }
+
+    fn decoded(&self, attempt: Attempt<bytes::Bytes>) -> Result<proto::Quorum, Error> {
+        attempt
+            .result
+            .and_then(|encoded| decode_quorum(encoded, &self.addresses[attempt.route.index]))
     }
 
     pub async fn status(&self, timeout: Duration) -> Result<proto::StatusResponse, Error> {
-        self.on_current(|mut client, address| async move {
-            let request = with_timeout(proto::StatusRequest {}, timeout);
-            call("lighthouse", &address, timeout, client.status(request)).await
-        })
+        let request = with_timeout(proto::StatusRequest {}, timeout);
+        self.on_route(
+            timeout,
+            |mut client| async move { client.status(request).await },
+        )
         .await
+        .result
     }
 
     /// Opens a heartbeat stream. Beats are sent from `beats`; events pushed by the
@@ -358,11 +498,26 @@ impl LighthouseClient {
         beats: mpsc::Receiver<proto::Beat>,
         timeout: Duration,
     ) -> Result<tonic::Streaming<proto::LighthouseEvent>, Error> {
-        self.on_current(|mut client, address| async move {
-            let beats = ReceiverStream::new(beats);
-            call("lighthouse", &address, timeout, client.heartbeat(beats)).await
-        })
-        .await
+        self.open_heartbeat(beats, timeout).await.1
+    }
+
+    /// Like [`Self::heartbeat`], and says which route the stream went out on (for
+    /// [`Self::move_on`] and [`Self::went_silent`]).
+    pub async fn open_heartbeat(
+        &self,
+        beats: mpsc::Receiver<proto::Beat>,
+        timeout: Duration,
+    ) -> (
+        Route,
+        Result<tonic::Streaming<proto::LighthouseEvent>, Error>,
+    ) {
+        let beats = ReceiverStream::new(beats);
+        let attempt = self
+            .on_route(timeout, |mut client| async move {
+                client.heartbeat(beats).await
+            })
+            .await;
+        (attempt.route, attempt.result)
     }
 }
 

@@ -13,7 +13,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tonic::{Code, Status, Streaming};
 
 use super::progress::Board;
-use crate::client::{timeout_ms, LighthouseClient};
+use crate::client::{timeout_ms, LighthouseClient, Route};
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 
@@ -217,12 +217,12 @@ impl Heartbeat {
         loop {
             let in_flight = Arc::new(InFlight::default());
             let (beats, sender) = self.send_beats(in_flight.clone());
-            let at = self.client.lighthouse_index();
-            match self
+            let opening = Instant::now();
+            let (at, opened) = self
                 .client
-                .heartbeat(beats, self.interval.max(Duration::from_secs(1)))
-                .await
-            {
+                .open_heartbeat(beats, self.interval.max(Duration::from_secs(1)))
+                .await;
+            let pause = match opened {
                 Ok(stream) => {
                     backoff = self.interval;
                     if self.follow(stream, &in_flight, at).await {
@@ -233,6 +233,7 @@ impl Heartbeat {
                         );
                         backoff = REOPEN_AFTER_STALL;
                     }
+                    backoff
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -241,14 +242,16 @@ impl Heartbeat {
                         e.message()
                     );
                     backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(self.interval));
+                    // An attempt that took the backoff (a connect into a cut) waited it.
+                    backoff.saturating_sub(opening.elapsed())
                 }
-            }
+            };
             // Without a stream the group cannot know whether the lighthouse still
             // counts it in: no lease until a new stream's first acknowledgement.
             self.lease.send_replace(None);
             self.asks.close();
             drop(sender);
-            tokio::time::sleep(backoff).await;
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -340,25 +343,29 @@ impl Heartbeat {
         &self,
         mut stream: Streaming<proto::LighthouseEvent>,
         in_flight: &InFlight,
-        at: usize,
+        at: Route,
     ) -> bool {
         let replica_id = &self.replica_id;
         let mut stalled = false;
-        // In a set, a serving lighthouse cut off by the network says nothing: a stream
-        // silent this long moves the group to another lighthouse.
-        let silence = (self.client.addresses().len() > 1)
-            .then(|| (self.interval * 10).max(Duration::from_secs(1)));
+        // The lighthouse acknowledges every beat. A lighthouse cut off by the network
+        // says nothing, and neither does a connection that the cut left in the
+        // kernel's retransmission backoff: a stream silent this long gives up its
+        // connection for a fresh one (in a set, to the next lighthouse), and the ask
+        // waiting on it is asked again there.
+        let silence = (self.interval * 10).max(Duration::from_secs(1));
         loop {
-            let next = match silence {
-                Some(limit) => match tokio::time::timeout(limit, stream.message()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        tracing::warn!(replica_id, "the lighthouse went silent; trying another");
-                        self.client.move_past(at, "went silent");
-                        return stalled;
-                    }
-                },
-                None => stream.message().await,
+            let next = match tokio::time::timeout(silence, stream.message()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    tracing::warn!(
+                        replica_id,
+                        "the lighthouse at {} went silent for {:.1} s; connecting again",
+                        self.client.addresses()[at.index],
+                        silence.as_secs_f64()
+                    );
+                    self.client.went_silent(at);
+                    return stalled;
+                }
             };
             match next {
                 Ok(Some(proto::LighthouseEvent { event: Some(event) })) => match event {
