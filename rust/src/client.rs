@@ -667,3 +667,72 @@ impl ManagerClient {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener that accepts connections and never answers on them: a lighthouse
+    /// behind a cut, as far as an open connection can tell.
+    async fn black_hole() -> (String, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let held = tokio::spawn(async move {
+            let mut connections = Vec::new();
+            while let Ok((connection, _)) = listener.accept().await {
+                connections.push(connection);
+            }
+        });
+        (address, held)
+    }
+
+    #[tokio::test]
+    async fn a_silent_route_is_given_up_once_and_its_waiting_call_asks_again() {
+        let (address, _held) = black_hole().await;
+        let client =
+            LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
+        let before = client.route();
+        let waiting = {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let request = with_timeout(proto::StatusRequest {}, Duration::from_secs(30));
+                client
+                    .on_route(Duration::from_secs(30), |mut c| async move {
+                        c.status(request).await
+                    })
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished());
+
+        client.went_silent(before);
+        let attempt = tokio::time::timeout(Duration::from_secs(1), waiting)
+            .await
+            .expect("the waiting call gives up at once")
+            .unwrap();
+        assert!(attempt.superseded && attempt.route == before);
+        assert!(matches!(&attempt.result, Err(e) if unreachable(e)));
+        let after = client.route();
+        assert_eq!((after.index, after.epoch), (0, before.epoch + 1));
+
+        // The same silence heard again (a second stream of that route) changes nothing.
+        client.went_silent(before);
+        assert_eq!(client.route(), after);
+    }
+
+    #[tokio::test]
+    async fn a_call_that_hears_nothing_by_its_deadline_gives_up_its_connection() {
+        let (address, _held) = black_hole().await;
+        let client =
+            LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
+        let before = client.route();
+        let status = client.status(Duration::from_millis(100)).await;
+        assert!(
+            matches!(&status, Err(Error::Rpc(s)) if s.code() == Code::DeadlineExceeded),
+            "{:?}",
+            status.err()
+        );
+        assert_eq!(client.route().epoch, before.epoch + 1);
+    }
+}
