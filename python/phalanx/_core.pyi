@@ -374,12 +374,15 @@ class ManagerClient:
         state_refused: dict[str, int] | None = None,
         healed_bytes: int = 0,
         lineage: int = 0,
+        unreachable: list[str] = ...,
     ) -> QuorumResult:
         """Asks for the quorum of `step` (the state committed in quorum
         `state_quorum_id`, of `lineage`; `torn` after a failed heal); every rank of the
         group must ask for the same step. `state_refused`: this rank's state server's
         refusals so far (`StateServer.refused_requests`), and `healed_bytes`: the bytes
-        it fetched in heals so far, both of which the group reports to the lighthouse."""
+        it fetched in heals so far, both of which the group reports to the lighthouse.
+        `unreachable`: the groups of the last quorum this rank could not reach (see
+        `phalanx.peers`); the lighthouse leaves one of each such pair out."""
     def start_quorum(
         self,
         group_rank: int,
@@ -392,6 +395,7 @@ class ManagerClient:
         state_refused: dict[str, int] | None = None,
         healed_bytes: int = 0,
         lineage: int = 0,
+        unreachable: list[str] = ...,
     ) -> PendingQuorum:
         """`quorum()` in the background: returns at once; the quorum comes from
         `result()`. Ask before the forward pass, take it after.

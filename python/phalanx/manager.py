@@ -143,6 +143,7 @@ class Manager:
         try:
             pending = self._rank.services.process_group.allreduce(tensor, step.abort)
         except CollectiveFailed as e:
+            step.peers_unreached = True
             self._fail(step.explain(e))
             return Handle(step, None, tensor, 1, then, self._fail)
         doing = f"an all-reduce of step {step.number} (quorum {quorum.quorum_id})"

@@ -78,6 +78,9 @@ class Step:
         self.number = number
         self.record = StepRecord(step=number)
         self.abort = Abort()
+        #: A collective or the rendezvous with the other groups failed (see
+        #: `phalanx.peers`: unless the lighthouse named a dead group, a cut?).
+        self.peers_unreached = False
         self.quorum_future = quorum
         #: The quorum, once the training thread took it (None: none, or not yet).
         self.quorum: _core.QuorumResult | None = None
@@ -179,6 +182,7 @@ class Handle:
             with self._waiting():
                 self._pending.wait()
         except CollectiveFailed as e:
+            self._step.peers_unreached = True
             self._on_failure(self._step.explain(e))
             return False
         finally:

@@ -20,6 +20,7 @@ from phalanx import _core, watchdog
 from phalanx.healing import StateRegistry, heal_step, tear
 from phalanx.identity import HeldState
 from phalanx.membership import LossBook, MembershipWatcher
+from phalanx.peers import LEFT_OUT, PeerReach, store_answers
 from phalanx.process_group import Membership
 from phalanx.progress import Progress
 from phalanx.reachability import Reachability
@@ -48,6 +49,8 @@ class Rank:
 
     def __post_init__(self) -> None:
         self.reach = Reachability(self.settings.replica_id)
+        token = self.settings.token
+        self.peers = PeerReach(lambda address: store_answers(address, token))
         self.watcher: MembershipWatcher | None = None
 
     @classmethod
@@ -79,6 +82,7 @@ class Rank:
     def close(self) -> None:
         """Stops the servers and threads and waits for the watcher to end."""
         self.progress.stop()
+        self.peers.close()
         self.services.shutdown()
         if self.watcher is not None:
             self.watcher.stop()
@@ -105,6 +109,7 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
         host.refused_requests,
         rank.healed_bytes,
         held.lineage,
+        rank.peers.unreachable(),
     )
     step = Step(held.step, asked, None if previous is None else previous.known_quorum)
     rank.losses.follow(step)
@@ -128,6 +133,8 @@ def take_quorum(rank: Rank, step: Step) -> None:
         raise ValueError(f"replica group {rank.settings.replica_id!r} cannot join: {e}") from e
     except Exception as e:  # the quorum call's own deadline bounds this wait
         rank.reach.failed(e, rank.settings.timeouts)
+        if LEFT_OUT in str(e):
+            rank.peers.left_out()
         return rank.fail(step, f"no quorum: {e}")
     finally:
         step.record.quorum_s = time.monotonic() - started
@@ -175,6 +182,7 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         ):
             rank.services.process_group.configure(membership, rank.settings.backend)
     except (RuntimeError, ValueError, dist.DistError) as e:
+        step.peers_unreached = True
         return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
     if quorum.heal:
         s = rank.settings
@@ -250,4 +258,12 @@ def conclude(rank: Rank, step: Step, commit: bool, torn: bool, took: float) -> b
     else:
         log.info("step %d not committed: %s", rank.held.step, record.failure)
         rank.services.process_group.reset()
+        if quorum is not None and step.peers_unreached and not step.abort.is_set():
+            # No group was named dead, yet the others could not be met: a cut?
+            me = rank.settings.replica_id
+            peers = {m.replica_id: m.store_address for m in quorum.participants}
+            peers.pop(me, None)
+            rank.peers.step_failed(peers)
+            if unreached := rank.peers.unreachable():
+                log.warning("cannot reach replica group(s) %s: telling the lighthouse", unreached)
     return commit

@@ -26,6 +26,7 @@ impl From<Member> for crate::quorum::Member {
             state_quorum_id: m.state_quorum_id,
             torn: m.torn,
             lineage: m.lineage,
+            unreachable: m.unreachable,
         }
     }
 }
@@ -44,6 +45,7 @@ impl From<crate::quorum::Member> for Member {
             state_quorum_id: m.state_quorum_id,
             torn: m.torn,
             lineage: m.lineage,
+            unreachable: m.unreachable,
         }
     }
 }

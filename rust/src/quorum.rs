@@ -17,6 +17,9 @@
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
 //!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
+//! - the members can reach each other: of two groups where one reports that it could
+//!   not reach the other (a cut between their hosts, while both reach the
+//!   lighthouse), one is left out of the round (see [`connected`]);
 //! - the quorum id moves up whenever the membership changes or a member reports
 //!   commit failures, and is never reused: it starts above every id any caller
 //!   has seen, which is what lets a restarted lighthouse carry on (invariant I3);
@@ -76,6 +79,8 @@ pub struct Member {
     pub torn: bool,
     /// With `step` and `state_quorum_id`, which state the group holds.
     pub lineage: u64,
+    /// Groups this one could not reach in its last quorum (see `connected`).
+    pub unreachable: Vec<ReplicaId>,
 }
 
 impl Member {
@@ -98,6 +103,9 @@ pub struct Quorum {
     pub lineage: u64,
     /// Set when it starts a new lineage: the newest state, which the job gives up.
     pub rolled_back_from: Option<Identity>,
+    /// Groups that asked but were left out because a member cannot reach them, each
+    /// with the one that says so.
+    pub left_out: Vec<(ReplicaId, ReplicaId)>,
 }
 
 impl Quorum {
@@ -336,6 +344,7 @@ pub fn decide(round: &Round<'_>) -> Decision {
             .collect(),
         _ => joined.clone(),
     };
+    let (members, left_out) = connected(members);
 
     // Live members of the previous quorum that have not asked yet. Both lists are in
     // replica-id order, so one merged walk finds them (this runs on every request).
@@ -457,7 +466,47 @@ pub fn decide(round: &Round<'_>) -> Decision {
         members,
         lineage,
         rolled_back_from,
+        left_out,
     })
+}
+
+/// The joiners less enough of them that no two left can fail to reach each other, by
+/// what they report (either side's word is enough); and those left out, each with
+/// the member that could not reach it. Greedy: the group in the most such pairs goes
+/// first, then the one holding the older state, then the larger replica id; a
+/// group's reports about a group left out no longer count against it.
+pub fn connected(mut members: Vec<&Joiner>) -> (Vec<&Joiner>, Vec<(ReplicaId, ReplicaId)>) {
+    let mut left_out = Vec::new();
+    if members.iter().all(|j| j.member.unreachable.is_empty()) {
+        return (members, left_out);
+    }
+    loop {
+        let cut = |a: &Joiner, b: &Joiner| {
+            a.member.unreachable.contains(&b.member.replica_id)
+                || b.member.unreachable.contains(&a.member.replica_id)
+        };
+        let pairs = |j: &Joiner| members.iter().filter(|o| cut(j, o)).count();
+        let worst = members
+            .iter()
+            .enumerate()
+            .filter(|(_, j)| pairs(j) > 0)
+            .max_by(|(_, a), (_, b)| {
+                pairs(a)
+                    .cmp(&pairs(b))
+                    .then_with(|| b.member.identity().cmp(&a.member.identity()))
+                    .then_with(|| a.member.replica_id.cmp(&b.member.replica_id))
+            })
+            .map(|(i, _)| i);
+        let Some(worst) = worst else {
+            return (members, left_out);
+        };
+        let out = members.remove(worst);
+        let by = members
+            .iter()
+            .find(|o| cut(out, o))
+            .map_or_else(String::new, |o| o.member.replica_id.clone());
+        left_out.push((out.member.replica_id.clone(), by));
+    }
 }
 
 /// Keeps the previous id for an unchanged, healthy membership that goes on in its
@@ -823,6 +872,7 @@ mod tests {
             members: vec![holding("g1", at(0, 296, 8)), holding("g3", at(0, 296, 8))],
             lineage: 0,
             rolled_back_from: None,
+            left_out: Vec::new(),
         });
         s.previous_at = Some(s.t0);
         s.live.remove("g1");
@@ -915,6 +965,75 @@ mod tests {
             s.decide_at(10),
             Decision::Wait {
                 reason: WaitReason::NewestStateAway { .. },
+                ..
+            }
+        ));
+    }
+    fn cut_off_from(id: &str, others: &[&str]) -> Member {
+        Member {
+            unreachable: others.iter().map(|o| o.to_string()).collect(),
+            ..member(id)
+        }
+    }
+
+    #[test]
+    fn of_two_groups_that_cannot_reach_each_other_one_is_left_out() {
+        // A bridge cut: g1 and g2 cannot reach each other; both reach g3.
+        let mut s = Scene::new(&["g1", "g2", "g3"]);
+        s.join_member(cut_off_from("g1", &["g2"]), 0);
+        s.join_member(cut_off_from("g2", &["g1"]), 0);
+        s.join_member(cut_off_from("g3", &[]), 0);
+        let q = s.issue_at(0);
+        assert_eq!(ids(&q), ["g1", "g3"]);
+        assert_eq!(q.left_out, [("g2".to_string(), "g1".to_string())]);
+        // One side's word is enough, and a group left out no longer counts against
+        // the others: g3 reached by nobody costs only g3.
+        let mut s = Scene::new(&["a", "b", "c", "d"]);
+        s.join_member(cut_off_from("a", &["d"]), 0);
+        s.join_member(cut_off_from("b", &["d"]), 0);
+        s.join_member(cut_off_from("c", &[]), 0);
+        s.join_member(cut_off_from("d", &[]), 0);
+        let q = s.issue_at(0);
+        assert_eq!(ids(&q), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn the_group_left_out_is_the_one_with_the_older_state() {
+        let mut s = Scene::new(&["g1", "g2", "g3"]);
+        let newer = Member {
+            step: 10,
+            ..cut_off_from("g2", &["g1"])
+        };
+        s.join_member(
+            Member {
+                step: 4,
+                ..cut_off_from("g1", &["g2"])
+            },
+            0,
+        );
+        s.join_member(newer, 0);
+        s.join_member(
+            Member {
+                step: 10,
+                ..member("g3")
+            },
+            0,
+        );
+        assert_eq!(ids(&s.issue_at(0)), ["g2", "g3"]);
+    }
+
+    #[test]
+    fn two_groups_cut_apart_do_not_make_a_majority_of_one() {
+        let mut s = Scene::new(&["a", "b"]);
+        s.join_member(cut_off_from("a", &["b"]), 0);
+        s.join_member(cut_off_from("b", &["a"]), 0);
+        assert!(matches!(
+            s.decide_at(2000),
+            Decision::Wait {
+                reason: WaitReason::NoMajority {
+                    joined: 1,
+                    relevant: 2
+                },
                 ..
             }
         ));

@@ -59,6 +59,10 @@ pub fn step(step: i64) -> Result<(), Status> {
 /// keeps `id + 1` far from overflowing (invariant I3: ids never wrap or repeat).
 pub const MAX_QUORUM_ID: u64 = 1 << 53;
 
+/// The most groups a member may report it could not reach: the ranks probe at most
+/// this many peers after a failed step.
+pub const MAX_UNREACHABLE: usize = 64;
+
 pub fn quorum_id(field: &str, id: u64) -> Result<(), Status> {
     if id > MAX_QUORUM_ID {
         return Err(Status::invalid_argument(format!(
@@ -136,6 +140,16 @@ pub fn member(m: &proto::Member) -> Result<(), Status> {
     step(m.step)?;
     quorum_id("state_quorum_id", m.state_quorum_id)?;
     quorum_id("lineage", m.lineage)?;
+    if m.unreachable.len() > MAX_UNREACHABLE {
+        return Err(Status::invalid_argument(format!(
+            "{} unreachable groups named; name at most {MAX_UNREACHABLE}, those of the last \
+             quorum that could not be reached",
+            m.unreachable.len()
+        )));
+    }
+    for id in &m.unreachable {
+        replica_id(id)?;
+    }
     world_size(m.world_size)?;
     address("manager address", &m.manager_address)?;
     address("store address", &m.store_address)?;

@@ -159,6 +159,7 @@ fn scene_with(
                     members: sorted_members(names_in(&members).map(member)),
                     lineage: 0,
                     rolled_back_from: None,
+                    left_out: Vec::new(),
                 }),
                 highest_seen_id,
                 config: QuorumConfig {

@@ -971,6 +971,19 @@ impl LighthouseState {
                 let _ = p.reply.send(Ok(reply.clone()));
             }
         }
+        // Told at once, so that they look again whether they can reach the others,
+        // rather than wait out their request: as a quorum that did not come in time
+        // (the lighthouse was reached; this round has no place for them).
+        for (id, by) in &quorum.left_out {
+            self.joiners.remove(id);
+            if let Some(p) = self.pending.remove(id) {
+                let _ = p.reply.send(Err(Status::deadline_exceeded(format!(
+                    "left out of quorum {}: replica group {by:?} could not reach this group \
+                     (a cut between their hosts); asking again once they reach each other",
+                    quorum.id
+                ))));
+            }
+        }
         // Leases name the new quorum from now on; a member of the old one left out
         // of it holds none.
         if let Some(old) = &self.previous {
@@ -2200,5 +2213,36 @@ mod tests {
             assert_eq!(issued.participants.len(), 3);
         }
         assert!(s.rollbacks().next().is_none());
+    }
+    #[test]
+    fn a_group_cut_off_from_a_member_is_left_out_and_told_why_at_once() {
+        let t = Instant::now();
+        let mut s = state();
+        let mut replies = Vec::new();
+        for (id, unreachable) in [("g1", vec!["g2"]), ("g2", vec!["g1"]), ("g3", vec![])] {
+            let (tx, rx) = oneshot::channel();
+            let m = quorum::Member {
+                unreachable: unreachable.into_iter().map(String::from).collect(),
+                ..member(id)
+            };
+            s.join(m, 0, t, tx).unwrap();
+            replies.push(rx);
+        }
+        s.evaluate(t, 0)
+            .expect("a quorum of the two that reach each other");
+        let mut g2 = replies.remove(1);
+        let refused = g2.try_recv().unwrap().unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::DeadlineExceeded);
+        assert!(
+            refused.message().contains("\"g1\" could not reach"),
+            "{refused:?}"
+        );
+        for mut reply in replies {
+            assert_eq!(decoded(reply.try_recv().unwrap()).participants.len(), 2);
+        }
+        assert!(
+            s.joiners.is_empty(),
+            "g2 asks again, with what it can reach by then"
+        );
     }
 }

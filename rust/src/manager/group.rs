@@ -30,6 +30,8 @@ pub struct RankRequest {
     pub state_quorum_id: u64,
     pub lineage: u64,
     pub torn: bool,
+    /// The groups this rank could not reach.
+    pub unreachable: Vec<String>,
     pub reply: Reply<proto::ManagerQuorumResponse>,
 }
 
@@ -261,8 +263,13 @@ impl GroupState {
             commit_failures: self.commit_failures,
             state_addresses: ranks.clone().map(|r| r.state_address.clone()).collect(),
             state_quorum_id: ranks.clone().map(|r| r.state_quorum_id).max().unwrap_or(0),
-            lineage: ranks.map(|r| r.lineage).max().unwrap_or(0),
+            lineage: ranks.clone().map(|r| r.lineage).max().unwrap_or(0),
             torn: gathering.torn(),
+            unreachable: ranks
+                .flat_map(|r| r.unreachable.iter().cloned())
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect(),
         };
         (member, self.last_quorum_id)
     }
@@ -405,6 +412,7 @@ mod tests {
             state_quorum_id,
             lineage: 0,
             torn: false,
+            unreachable: Vec::new(),
             reply,
         };
         (request, answer)

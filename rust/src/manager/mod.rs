@@ -319,6 +319,7 @@ impl Manager for ManagerService {
             state_quorum_id: req.state_quorum_id,
             lineage: req.lineage,
             torn: req.torn,
+            unreachable: req.unreachable,
             reply,
         };
         let complete = shared.lock().ask(req.group_rank, req.step, request)?;

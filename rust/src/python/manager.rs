@@ -173,7 +173,7 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
@@ -188,6 +188,7 @@ impl ManagerClient {
         state_refused: Option<HashMap<String, u64>>,
         healed_bytes: u64,
         lineage: u64,
+        unreachable: Vec<String>,
     ) -> PyResult<QuorumResult> {
         self.start_quorum(
             group_rank,
@@ -200,13 +201,14 @@ impl ManagerClient {
             state_refused,
             healed_bytes,
             lineage,
+            unreachable,
         )?
         .result(py)
     }
 
     /// `quorum()` in the background: returns at once, and `result()` of what it
     /// returns waits for the quorum. Ask before the forward pass, take it after.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn start_quorum(
         &self,
@@ -220,6 +222,7 @@ impl ManagerClient {
         state_refused: Option<HashMap<String, u64>>,
         healed_bytes: u64,
         lineage: u64,
+        unreachable: Vec<String>,
     ) -> PyResult<PendingQuorum> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
@@ -236,6 +239,7 @@ impl ManagerClient {
                 .collect(),
             healed_bytes,
             lineage,
+            unreachable,
             ..Default::default()
         };
         let client = self.inner.clone();
