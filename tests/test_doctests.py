@@ -18,6 +18,8 @@ MODULES = [
     "phalanx.healing",
     "phalanx.reachability",
     "phalanx.launcher",
+    "phalanx.restarts",
+    "phalanx.peers",
     "phalanx.token",
     "phalanx.recovery",
     "phalanx.process_group",

@@ -18,19 +18,15 @@ from hypothesis import strategies as st
 
 import phalanx
 from phalanx.launcher import (
-    MAX_BACKOFF,
     Chaos,
-    CommitWatch,
-    Exit,
     LaunchConfig,
     Launcher,
     LaunchObserver,
-    RestartCount,
-    Sighting,
     build_parser,
     rank_mode,
     resolve,
 )
+from phalanx.restarts import MAX_BACKOFF, CommitWatch, Exit, RestartCount, Sighting
 
 from conftest import PROCS, TESTS, child_env, http_get, write_token_file
 
