@@ -202,6 +202,7 @@ class LaunchConfig:
     min_replicas: int = 1
     join_timeout: float = 1.0
     heartbeat_timeout: float = 2.0
+    rollback_after: float = _core.LIGHTHOUSE_DEFAULTS["rollback_after"]
     #: The group's id; with several replicas, the prefix of their ids.
     replica_id: str | None = None
     #: Failures in a row (without a committed step in between) a group is restarted
@@ -242,6 +243,7 @@ class LaunchConfig:
             min_replicas=args.min_replicas,
             join_timeout=args.join_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
+            rollback_after=args.rollback_after,
             replica_id=args.replica_id,
             max_restarts=args.max_restarts,
             restart_backoff=args.restart_backoff,
@@ -647,6 +649,7 @@ class Launcher:
                 min_replicas=self.config.min_replicas,
                 join_timeout=self.config.join_timeout,
                 heartbeat_timeout=self.config.heartbeat_timeout,
+                rollback_after=self.config.rollback_after,
                 token=self.token,
             )
             self.lighthouse = self.lighthouse_server.address
@@ -801,6 +804,15 @@ def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
         metavar="DURATION",
         help="silence after which a group is declared dead (lighthouse served here; default: "
         f"{defaults['heartbeat_timeout']:g}s)",
+    )
+    parser.add_argument(
+        "--rollback-after",
+        type=parse_duration,
+        default=defaults["rollback_after"],
+        metavar="DURATION",
+        help="how long the job waits for a group holding its newest state to come back before "
+        "it goes on from an older one, as a new lineage (lighthouse served here; default: "
+        f"{defaults['rollback_after']:g}s)",
     )
 
 
