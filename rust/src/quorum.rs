@@ -474,39 +474,61 @@ pub fn decide(round: &Round<'_>) -> Decision {
 /// what they report (either side's word is enough); and those left out, each with
 /// the member that could not reach it. Greedy: the group in the most such pairs goes
 /// first, then the one holding the older state, then the larger replica id; a
-/// group's reports about a group left out no longer count against it.
-pub fn connected(mut members: Vec<&Joiner>) -> (Vec<&Joiner>, Vec<(ReplicaId, ReplicaId)>) {
+/// group's reports about a group left out no longer count against it. Costs the
+/// reports' length, plus the square of the groups named in them.
+pub fn connected(members: Vec<&Joiner>) -> (Vec<&Joiner>, Vec<(ReplicaId, ReplicaId)>) {
+    let at: BTreeMap<&str, usize> = members
+        .iter()
+        .enumerate()
+        .map(|(i, j)| (j.member.replica_id.as_str(), i))
+        .collect();
+    let mut pairs: BTreeSet<(usize, usize)> = BTreeSet::new();
+    for (i, j) in members.iter().enumerate() {
+        for k in j
+            .member
+            .unreachable
+            .iter()
+            .filter_map(|id| at.get(id.as_str()))
+        {
+            if *k != i {
+                pairs.insert((i.min(*k), i.max(*k)));
+            }
+        }
+    }
     let mut left_out = Vec::new();
-    if members.iter().all(|j| j.member.unreachable.is_empty()) {
-        return (members, left_out);
-    }
-    loop {
-        let cut = |a: &Joiner, b: &Joiner| {
-            a.member.unreachable.contains(&b.member.replica_id)
-                || b.member.unreachable.contains(&a.member.replica_id)
+    let mut out = BTreeSet::new();
+    while !pairs.is_empty() {
+        let mut count: BTreeMap<usize, usize> = BTreeMap::new();
+        for &(a, b) in &pairs {
+            *count.entry(a).or_default() += 1;
+            *count.entry(b).or_default() += 1;
+        }
+        let key = |i: usize| {
+            let m = &members[i].member;
+            (
+                count[&i],
+                std::cmp::Reverse(m.identity()),
+                m.replica_id.as_str(),
+            )
         };
-        let pairs = |j: &Joiner| members.iter().filter(|o| cut(j, o)).count();
-        let worst = members
-            .iter()
-            .enumerate()
-            .filter(|(_, j)| pairs(j) > 0)
-            .max_by(|(_, a), (_, b)| {
-                pairs(a)
-                    .cmp(&pairs(b))
-                    .then_with(|| b.member.identity().cmp(&a.member.identity()))
-                    .then_with(|| a.member.replica_id.cmp(&b.member.replica_id))
-            })
-            .map(|(i, _)| i);
-        let Some(worst) = worst else {
-            return (members, left_out);
+        let Some(worst) = count.keys().copied().max_by(|a, b| key(*a).cmp(&key(*b))) else {
+            break;
         };
-        let out = members.remove(worst);
-        let by = members
+        let by = pairs
             .iter()
-            .find(|o| cut(out, o))
-            .map_or_else(String::new, |o| o.member.replica_id.clone());
-        left_out.push((out.member.replica_id.clone(), by));
+            .find_map(|&(a, b)| (a == worst).then_some(b).or((b == worst).then_some(a)))
+            .map_or_else(String::new, |k| members[k].member.replica_id.clone());
+        pairs.retain(|&(a, b)| a != worst && b != worst);
+        left_out.push((members[worst].member.replica_id.clone(), by));
+        out.insert(worst);
     }
+    let kept = members
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !out.contains(i))
+        .map(|(_, j)| j)
+        .collect();
+    (kept, left_out)
 }
 
 /// Keeps the previous id for an unchanged, healthy membership that goes on in its

@@ -475,9 +475,10 @@ mod tests {
             .collect()
     }
 
-    /// Delivers everything at once, for `steps` of one tick.
-    fn run(nodes: &mut [Leadership], start: Instant, steps: u32, alive: &[bool]) -> Instant {
+    /// Delivers everything at once, tick by tick, for `seconds`.
+    fn run(nodes: &mut [Leadership], start: Instant, seconds: u64, alive: &[bool]) -> Instant {
         let tick = Timing::default().tick;
+        let steps = Duration::from_secs(seconds).as_nanos() / tick.as_nanos();
         let mut now = start;
         for _ in 0..steps {
             now += tick;
@@ -509,7 +510,7 @@ mod tests {
         let start = Instant::now();
         let mut nodes = set(start);
         let all = [true, true, true];
-        let now = run(&mut nodes, start, 80, &all);
+        let now = run(&mut nodes, start, 4, &all);
         let serving: Vec<u64> = nodes
             .iter()
             .filter(|n| n.serving(now).is_some())
@@ -520,7 +521,7 @@ mod tests {
         let old_term = nodes[old as usize - 1].term();
         let mut alive = all;
         alive[old as usize - 1] = false;
-        let now = run(&mut nodes, now, 60, &alive);
+        let now = run(&mut nodes, now, 3, &alive);
         let serving: Vec<&Leadership> = nodes
             .iter()
             .filter(|n| alive[n.id() as usize - 1] && n.serving(now).is_some())
@@ -538,7 +539,7 @@ mod tests {
     fn an_echo_of_a_time_not_yet_come_neither_panics_nor_stretches_the_lease() {
         let start = Instant::now();
         let mut nodes = set(start);
-        let now = run(&mut nodes, start, 80, &[true, true, true]);
+        let now = run(&mut nodes, start, 4, &[true, true, true]);
         let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
         let follower = (leader + 1) % 3;
         let until = nodes[leader].lease_until().unwrap();

@@ -88,15 +88,16 @@ impl Shared {
             (None, Some(seat)) => seat.refusal(),
             _ => Status::unavailable("this lighthouse starts serving afresh; ask again"),
         };
-        st.reset(why);
+        let now = Instant::now();
+        st.reset(why, now);
         if let Some(term) = term {
             st.raise_quorum_floor(quorum_id_floor(term));
             // What the set knows of the job's newest state: never start below it.
             if let Some(newest) = self.seat.get().and_then(|seat| seat.newest()) {
-                st.learn_newest(newest, Instant::now());
+                st.learn_newest(newest, now);
             }
         }
-        self.evaluate(&mut st, Instant::now());
+        self.evaluate(&mut st, now);
     }
 
     /// Runs the engine after a change and makes sure the background task wakes in time.

@@ -487,7 +487,14 @@ impl LighthouseState {
         now: Instant,
     ) -> Result<(u64, Arc<Pulse>), Status> {
         let id = &beat.replica_id;
-        if let Some(HeartbeatStream { peer: other, .. }) = self.live_stream(id, now) {
+        // The same manager server opening a new stream gave up its old one (it went
+        // silent to it: a cut): that is the group coming back, not a second one.
+        let same_group = |s: &&HeartbeatStream| {
+            !beat.manager_address.is_empty() && s.manager_address == beat.manager_address
+        };
+        if let Some(HeartbeatStream { peer: other, .. }) =
+            self.live_stream(id, now).filter(|s| !same_group(s))
+        {
             return Err(Status::already_exists(format!(
                 "replica id {id:?} is already live, heartbeating from {other}; give this group \
                  another --replica-id, or stop the other process (a dead one is forgotten \
@@ -810,7 +817,7 @@ impl LighthouseState {
     /// heartbeating is told `why` (and goes to the serving one), and what it knew of
     /// the job's quorums goes, as if it had restarted: a leader learns the job afresh
     /// from the groups that come to it, never from an old term's leftovers.
-    pub fn reset(&mut self, why: Status) {
+    pub fn reset(&mut self, why: Status, now: Instant) {
         for (_, p) in self.pending.drain() {
             let _ = p.reply.send(Err(why.clone()));
         }
@@ -824,7 +831,7 @@ impl LighthouseState {
         self.previous = None;
         self.previous_at = None;
         // Its holders are to be heard from again, as after a restart.
-        self.newest.restart(Instant::now());
+        self.newest.restart(now);
         self.set_waiting(WaitReason::NoJoiners, None);
     }
 
@@ -2244,5 +2251,30 @@ mod tests {
             s.joiners.is_empty(),
             "g2 asks again, with what it can reach by then"
         );
+    }
+    #[test]
+    fn the_same_manager_reopening_its_stream_replaces_the_silent_one() {
+        let t = Instant::now();
+        let mut s = state();
+        let first = proto::Beat {
+            manager_address: "10.0.0.2:7000".into(),
+            ..beat("g2")
+        };
+        let (tx, _rx) = mpsc::channel(4);
+        s.open_stream(&first, "10.0.0.2:5001".into(), tx, t)
+            .unwrap();
+        // Within the heartbeat timeout, after a cut: a fresh connection, same group.
+        let (tx, _rx2) = mpsc::channel(4);
+        let later = t + Duration::from_millis(1500);
+        s.open_stream(&first, "10.0.0.2:5002".into(), tx, later)
+            .expect("the group's own new stream");
+        // Another manager under the same id is still refused.
+        let impostor = proto::Beat {
+            manager_address: "10.0.0.9:7000".into(),
+            ..beat("g2")
+        };
+        let (tx, _rx3) = mpsc::channel(4);
+        let refused = s.open_stream(&impostor, "10.0.0.9:1".into(), tx, later);
+        assert_eq!(refused.unwrap_err().code(), tonic::Code::AlreadyExists);
     }
 }
