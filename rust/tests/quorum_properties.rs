@@ -599,3 +599,100 @@ proptest! {
         }
     }
 }
+
+/// One joiner's state and reports, for the never-back and reach properties.
+#[derive(Clone, Debug)]
+struct Held {
+    identity: Identity,
+    torn: bool,
+    unreachable: Subset,
+}
+
+fn held() -> impl Strategy<Value = Held> {
+    (
+        (0..3u64, 0..6i64, 0..4u64),
+        prop::bool::weighted(0.1),
+        prop::array::uniform8(prop::bool::weighted(0.15)),
+    )
+        .prop_map(
+            |((lineage, step, state_quorum_id), torn, unreachable)| Held {
+                identity: Identity {
+                    lineage,
+                    step,
+                    state_quorum_id,
+                },
+                torn,
+                unreachable,
+            },
+        )
+}
+
+proptest! {
+    /// Never back (I11), and members that can reach each other: whatever the
+    /// joiners hold and report, an issued quorum's newest sound member is at least
+    /// the job's newest state, unless no holder may come back any more and the
+    /// quorum says it starts a new lineage above every id; and no member reports
+    /// another member unreachable.
+    #[test]
+    fn a_quorum_never_starts_below_the_newest_state_while_a_holder_may_return(
+        joins in prop::collection::btree_map(0..NAMES.len(), held(), 1..=NAMES.len()),
+        newest in (0..3u64, 0..6i64, 0..4u64),
+        wait_ms in prop::option::of(0..3_000u64),
+        now_ms in 0..3_000u64,
+    ) {
+        let t0 = Instant::now();
+        let joiners: BTreeMap<ReplicaId, Joiner> = joins
+            .iter()
+            .map(|(&i, h)| {
+                let member = Member {
+                    lineage: h.identity.lineage,
+                    step: h.identity.step,
+                    state_quorum_id: h.identity.state_quorum_id,
+                    torn: h.torn,
+                    unreachable: names_in(&h.unreachable).map(name).collect(),
+                    ..member(i)
+                };
+                (name(i), Joiner { member, last_quorum_id: 0, joined_at: t0 })
+            })
+            .collect();
+        let live: BTreeSet<ReplicaId> = joiners.keys().cloned().collect();
+        let newest = Newest {
+            state: Identity { lineage: newest.0, step: newest.1, state_quorum_id: newest.2 },
+            may_return_until: wait_ms.map(|ms| t0 + Duration::from_millis(ms)),
+        };
+        let config = QuorumConfig { min_replicas: 1, join_timeout: Duration::from_millis(1) };
+        let now = t0 + Duration::from_millis(now_ms) + Duration::from_millis(1);
+        let decision = decide(&Round {
+            joiners: &joiners,
+            live: &live,
+            previous: None,
+            previous_at: None,
+            highest_seen_id: 0,
+            newest: Some(newest),
+            config: &config,
+            now,
+        });
+        let Decision::Issue(q) = decision else { return Ok(()) };
+        for m in &q.members {
+            // A group naming itself is no cut.
+            for other in m.unreachable.iter().filter(|o| **o != m.replica_id) {
+                prop_assert!(!q.contains(other), "{} reports member {} unreachable", m.replica_id, other);
+            }
+        }
+        let best = q.members.iter().filter(|m| !m.torn).map(Member::identity).max();
+        match q.rolled_back_from {
+            None => {
+                prop_assert!(best >= Some(newest.state), "{best:?} below {:?}", newest.state);
+                prop_assert_eq!(q.lineage, best.map_or(0, |b| b.lineage));
+            }
+            Some(from) => {
+                prop_assert_eq!(from, newest.state);
+                prop_assert!(newest.may_return_until.is_none_or(|until| now >= until));
+                prop_assert_eq!(q.lineage, q.id);
+                prop_assert!(q.id > newest.state.state_quorum_id && q.id > newest.state.lineage);
+                // The new lineage's start is the best state there was, relabeled.
+                prop_assert!(best.is_none_or(|b| b.lineage == q.id));
+            }
+        }
+    }
+}
