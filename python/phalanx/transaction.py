@@ -176,9 +176,11 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
             q.store_address, q.store_prefix, q.replica_rank, q.replica_world_size
         )
         # Building the group meets every peer in the rendezvous store: a wait on the
-        # other groups, bounded by the collective timeout, never this rank's own stall.
+        # other groups, never this rank's own stall. Each of its three stages may take
+        # the collective timeout: reaching the store, the peers' addresses in it, and
+        # connecting to them (the nemesis saw builds past one timeout evicted).
         with rank.progress.waiting(
-            f"the process group of quorum {q.quorum_id}", rank.settings.timeouts.collective
+            f"the process group of quorum {q.quorum_id}", 3 * rank.settings.timeouts.collective
         ):
             rank.services.process_group.configure(membership, rank.settings.backend)
     except (RuntimeError, ValueError, dist.DistError) as e:
