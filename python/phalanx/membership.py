@@ -1,7 +1,9 @@
 """The membership watcher: hears from the lighthouse (through the group's manager
-server) that members of a quorum died, and aborts the step in flight when the loss
-concerns that step's quorum, so its collectives end at once instead of at their
-deadline.
+server) that members of a quorum died, or from the manager server itself that the
+heartbeat stream that held the quorum's lease ended (a lighthouse killed, restarted or
+cut off: no step of that quorum can commit any more), and aborts the step in flight
+when the loss concerns that step's quorum, so its collectives end at once instead of
+at their deadline.
 
 The watcher and the training thread agree under one lock on which step a loss
 concerns: the step in flight once its quorum is known, or, for a loss heard before
@@ -28,6 +30,10 @@ from phalanx.step import Step
 
 #: How long one wait for an event lasts: the longest `stop()` waits for the thread.
 POLL_S = 0.2
+#: The cause of the event a group's manager sends its own ranks when its heartbeat
+#: stream ends (`rust/src/manager/heartbeat.rs`): the leases of the quorums that
+#: stream carried end with it, so their steps can never commit.
+LIGHTHOUSE_LOST = "lighthouse_lost"
 
 
 class EventSource(Protocol):
@@ -100,5 +106,23 @@ class MembershipWatcher:
             step = self._book.heard(event.quorum_id)
             if step is not None:
                 # Fails the collectives still in flight (their result would lack the
-                # dead group's part); ones that completed before it stand.
-                step.abort.set(f"replica group(s) {', '.join(event.lost)} died ({event.cause})")
+                # dead group's part, or wait on a group cut off with the lighthouse);
+                # ones that completed before it stand.
+                step.abort.set(why_aborted(event))
+
+
+def why_aborted(event: _core.MembershipLost) -> str:
+    """The reason a step of the event's quorum fails.
+
+    >>> from types import SimpleNamespace as Event
+    >>> why_aborted(Event(quorum_id=4, lost=["b"], cause="stream_broken"))
+    'replica group(s) b died (stream_broken)'
+    >>> why_aborted(Event(quorum_id=4, lost=[], cause=LIGHTHOUSE_LOST))
+    'quorum 4 can no longer commit: the heartbeat stream that held its lease ended (...)'
+    """
+    if event.cause == LIGHTHOUSE_LOST:
+        return (
+            f"quorum {event.quorum_id} can no longer commit: the heartbeat stream that "
+            f"held its lease ended ({event.cause})"
+        )
+    return f"replica group(s) {', '.join(event.lost)} died ({event.cause})"

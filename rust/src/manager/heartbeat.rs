@@ -2,6 +2,14 @@
 //! runs, re-opened after a lighthouse restart. Beats carry the group's progress (and
 //! its refusal counts when they change), and its quorum requests; the lighthouse
 //! answers with leases, quorums and the membership losses the group must act on.
+//!
+//! A stream's end is the end of its leases for good: the lighthouse declares a group
+//! whose stream ends dead at once, and one whose old stream it still holds when a new
+//! one opens dead then (`lighthouse::state`, `open_stream`), so no acknowledgement
+//! names the quorums that lighthouse issued to the group again, and a step of them can
+//! no longer commit. The heartbeat says so to the ranks at once ([`LIGHTHOUSE_LOST`]),
+//! so that they drop the step in flight (its collectives wait on a group the cut may
+//! have taken along) instead of at the collective timeout.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -19,6 +27,11 @@ use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);
+
+/// The cause of the membership-loss event a group's manager sends its own ranks when
+/// its heartbeat stream ends: no step of the event's quorum can commit any more. It
+/// names no group: none died that the group knows of.
+pub const LIGHTHOUSE_LOST: &str = "lighthouse_lost";
 
 /// How long a group evicted as stalled waits before it heartbeats again: its ranks are
 /// exiting to be restarted (see `phalanx.watchdog`), and a stream re-opened meanwhile
@@ -102,6 +115,20 @@ struct AsksInner {
     last_id: u64,
     /// The ask waiting for its answer.
     waiting: Option<(u64, oneshot::Sender<proto::QuorumAnswer>)>,
+    /// Streams closed so far: the stream open now (or the next one) is number
+    /// `closed`.
+    closed: u64,
+    /// The highest quorum answered on the stream open now and handed to the ranks.
+    answered: u64,
+    /// The highest quorum whose lease ended with a stream (see [`Asks::fresh`]).
+    lost: u64,
+}
+
+/// A quorum answered on a heartbeat stream: the answer, and which stream it came on
+/// (see [`Asks::handed`]).
+pub struct StreamAnswer {
+    pub quorum: Result<Bytes, Status>,
+    pub stream: u64,
 }
 
 impl Asks {
@@ -118,15 +145,31 @@ impl Asks {
         requester: proto::Member,
         last_quorum_id: u64,
         timeout: Duration,
-    ) -> Option<Result<Bytes, Status>> {
-        let (beats, ask_id, answer) = {
+    ) -> Option<StreamAnswer> {
+        let (beats, ask_id, answer, stream) = {
             let mut inner = self.lock();
             let beats = inner.beats.as_ref()?.upgrade()?;
             inner.last_id += 1;
             let (tx, rx) = oneshot::channel();
             inner.waiting = Some((inner.last_id, tx));
-            (beats, inner.last_id, rx)
+            (beats, inner.last_id, rx, inner.closed)
         };
+        let quorum = Self::ride(beats, ask_id, answer, requester, last_quorum_id, timeout);
+        Some(StreamAnswer {
+            quorum: quorum.await?,
+            stream,
+        })
+    }
+
+    /// Sends ask `ask_id` on the stream `beats` go to and waits for its answer.
+    async fn ride(
+        beats: mpsc::Sender<proto::Beat>,
+        ask_id: u64,
+        answer: oneshot::Receiver<proto::QuorumAnswer>,
+        requester: proto::Member,
+        last_quorum_id: u64,
+        timeout: Duration,
+    ) -> Option<Result<Bytes, Status>> {
         // The lighthouse answers a little before the deadline here, so that a wait
         // that runs out still hears why from it.
         let lighthouse_wait = timeout - (timeout / 10).min(Duration::from_millis(100));
@@ -163,11 +206,45 @@ impl Asks {
         self.lock().beats = Some(beats.downgrade());
     }
 
+    /// Quorum `quorum_id`, answered on stream `stream`, is handed to the ranks. False
+    /// when that stream has ended meanwhile: the quorum's lease went with it, and the
+    /// caller tells the ranks (the stream's end did not count this quorum).
+    pub fn handed(&self, quorum_id: u64, stream: u64) -> bool {
+        let mut inner = self.lock();
+        if inner.closed != stream {
+            inner.lost = inner.lost.max(quorum_id);
+            return false;
+        }
+        inner.answered = inner.answered.max(quorum_id);
+        true
+    }
+
+    /// The group's request for its next quorum, as it goes to the lighthouse. After
+    /// a lease ended with its stream, the request reports a failed step and the
+    /// highest quorum id lost: a lighthouse that declared the group dead when the
+    /// stream ended would otherwise give the same id to the same members again (an
+    /// unchanged membership keeps its id), and the ranks, told that no step of that
+    /// id can commit, would drop a step that could.
+    pub fn fresh(&self, mut member: proto::Member, last_quorum_id: u64) -> (proto::Member, u64) {
+        let lost = self.lock().lost;
+        if lost != 0 && lost >= last_quorum_id {
+            member.commit_failures = member.commit_failures.max(1);
+        }
+        (member, last_quorum_id.max(lost))
+    }
+
     /// The stream ended: the ask waiting hears so and is asked again by a call.
-    fn close(&self) {
+    /// Returns the highest quorum whose lease ended with it: `leased`, the quorum its
+    /// last acknowledgement named, or one answered on it and handed to the ranks (0:
+    /// none).
+    fn close(&self, leased: u64) -> u64 {
         let mut inner = self.lock();
         inner.beats = None;
         inner.waiting = None;
+        inner.closed += 1;
+        let ended = std::mem::take(&mut inner.answered).max(leased);
+        inner.lost = inner.lost.max(ended);
+        ended
     }
 
     fn answered(&self, answer: proto::QuorumAnswer) {
@@ -180,6 +257,31 @@ impl Asks {
             other => inner.waiting = other,
         }
     }
+}
+
+/// Tells the group's ranks that no step of quorum `quorum_id` can commit any more: the
+/// heartbeat stream that held its lease ended (`why`). They abort the step in flight
+/// of that quorum, as for a group of it that died, and ask for the next quorum.
+pub fn lease_lost(
+    events: &broadcast::Sender<proto::MembershipLost>,
+    replica_id: &str,
+    quorum_id: u64,
+    why: &str,
+) {
+    if quorum_id == 0 {
+        return;
+    }
+    tracing::info!(
+        replica_id,
+        quorum_id,
+        "no step of quorum {quorum_id} can commit any more ({why}): its ranks drop the \
+         step in flight and ask for the next quorum"
+    );
+    let _ = events.send(proto::MembershipLost {
+        quorum_id,
+        lost: Vec::new(),
+        cause: LIGHTHOUSE_LOST.to_string(),
+    });
 }
 
 fn not_answered(timeout: Duration) -> Status {
@@ -225,7 +327,8 @@ impl Heartbeat {
             let pause = match opened {
                 Ok(stream) => {
                     backoff = self.interval;
-                    if self.follow(stream, &in_flight, at).await {
+                    let (stalled, why) = self.follow(stream, &in_flight, at).await;
+                    if stalled {
                         tracing::error!(
                             replica_id = self.replica_id,
                             "the lighthouse evicted this group as stalled: its training made \
@@ -233,6 +336,13 @@ impl Heartbeat {
                         );
                         backoff = REOPEN_AFTER_STALL;
                     }
+                    // Without a stream the group cannot know whether the lighthouse
+                    // still counts it in: no lease until a new stream's first
+                    // acknowledgement. And the leases of this one end for good (see
+                    // the module's doc).
+                    let leased = self.lease.send_replace(None).map_or(0, |l| l.quorum_id);
+                    let ended = self.asks.close(leased);
+                    lease_lost(&self.events, &self.replica_id, ended, why);
                     backoff
                 }
                 Err(e) => {
@@ -241,15 +351,13 @@ impl Heartbeat {
                         "cannot open the heartbeat stream: {}",
                         e.message()
                     );
+                    // An ask queued for the stream that never opened is asked by a call.
+                    self.asks.close(0);
                     backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF.max(self.interval));
                     // An attempt that took the backoff (a connect into a cut) waited it.
                     backoff.saturating_sub(opening.elapsed())
                 }
             };
-            // Without a stream the group cannot know whether the lighthouse still
-            // counts it in: no lease until a new stream's first acknowledgement.
-            self.lease.send_replace(None);
-            self.asks.close();
             drop(sender);
             tokio::time::sleep(pause).await;
         }
@@ -337,14 +445,14 @@ impl Heartbeat {
         }
     }
 
-    /// Acts on what the lighthouse sends until the stream ends; true when it ended
-    /// because the group was evicted as stalled.
+    /// Acts on what the lighthouse sends until the stream ends; says whether it ended
+    /// because the group was evicted as stalled, and how it ended.
     async fn follow(
         &self,
         mut stream: Streaming<proto::LighthouseEvent>,
         in_flight: &InFlight,
         at: Route,
-    ) -> bool {
+    ) -> (bool, &'static str) {
         let replica_id = &self.replica_id;
         let mut stalled = false;
         // The lighthouse acknowledges every beat. A lighthouse cut off by the network
@@ -364,7 +472,7 @@ impl Heartbeat {
                         silence.as_secs_f64()
                     );
                     self.client.went_silent(at);
-                    return stalled;
+                    return (stalled, "the lighthouse went silent");
                 }
             };
             match next {
@@ -386,13 +494,13 @@ impl Heartbeat {
                     }
                 },
                 Ok(Some(_)) => {}
-                Ok(None) if stalled => return true,
+                Ok(None) if stalled => return (true, "evicted as stalled"),
                 Ok(None) => {
                     tracing::warn!(
                         replica_id,
                         "the lighthouse ended the heartbeat stream; re-opening"
                     );
-                    return false;
+                    return (false, "the lighthouse ended the heartbeat stream");
                 }
                 Err(status) => {
                     tracing::warn!(
@@ -401,9 +509,216 @@ impl Heartbeat {
                         status.message()
                     );
                     self.client.move_on(at, &crate::Error::Rpc(status));
-                    return stalled;
+                    return (stalled, "the heartbeat stream broke");
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::JobToken;
+    use crate::gate::GateLimits;
+    use crate::lighthouse::{self, LighthouseOptions};
+
+    const PATIENCE: Duration = Duration::from_secs(5);
+
+    async fn bounded<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(PATIENCE, fut)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: nothing within {PATIENCE:?}"))
+    }
+
+    fn member(replica_id: &str) -> proto::Member {
+        proto::Member {
+            replica_id: replica_id.into(),
+            manager_address: format!("{replica_id}-manager:1"),
+            store_address: format!("{replica_id}-store:1"),
+            world_size: 1,
+            state_addresses: vec![format!("{replica_id}-state:1")],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_quorum_answered_on_a_stream_is_counted_by_its_end_or_else_told_at_once() {
+        let asks = Asks::default();
+        let (beats, _sent) = mpsc::channel(1);
+        asks.open(&beats);
+        assert!(asks.handed(7, 0));
+        assert!(asks.handed(5, 0));
+        assert_eq!(asks.close(6), 7, "the highest quorum the stream answered");
+        // Answered on the stream that ended, handed after its end: not counted by
+        // it, so the caller tells the ranks itself.
+        assert!(!asks.handed(8, 0));
+        asks.open(&beats);
+        assert!(asks.handed(9, 1));
+        assert_eq!(
+            asks.close(10),
+            10,
+            "the last acknowledgement named a newer one"
+        );
+        asks.open(&beats);
+        assert_eq!(asks.close(0), 0, "a stream that answered nothing");
+    }
+
+    #[test]
+    fn after_a_lease_ended_the_next_request_asks_for_a_new_quorum_id() {
+        let asks = Asks::default();
+        let (first, last) = asks.fresh(member("g"), 4);
+        assert_eq!((first.commit_failures, last), (0, 4), "no lease lost yet");
+        let (beats, _sent) = mpsc::channel(1);
+        asks.open(&beats);
+        assert!(asks.handed(4, 0));
+        asks.close(5);
+        let (after, last) = asks.fresh(member("g"), 4);
+        assert_eq!((after.commit_failures, last), (1, 5));
+        // Quorum 6 came since: the lost ones are behind.
+        let (later, last) = asks.fresh(member("g"), 6);
+        assert_eq!((later.commit_failures, last), (0, 6));
+    }
+
+    #[tokio::test]
+    async fn an_ask_names_the_stream_that_answered_it_and_a_closed_stream_answers_none() {
+        let asks = Arc::new(Asks::default());
+        let (beats, mut sent) = mpsc::channel(4);
+        asks.open(&beats);
+        let asking = {
+            let asks = asks.clone();
+            tokio::spawn(async move { asks.ask(member("g"), 0, PATIENCE).await })
+        };
+        let ask = bounded("the ask's beat", sent.recv()).await.unwrap().ask;
+        asks.answered(proto::QuorumAnswer {
+            ask_id: ask.expect("an ask").ask_id,
+            quorum: Bytes::from_static(b"q"),
+            ..Default::default()
+        });
+        let answer = bounded("the answer", asking)
+            .await
+            .unwrap()
+            .expect("answered");
+        assert_eq!(
+            (answer.quorum.unwrap(), answer.stream),
+            (Bytes::from("q"), 0)
+        );
+
+        let asking = {
+            let asks = asks.clone();
+            tokio::spawn(async move { asks.ask(member("g"), 0, PATIENCE).await })
+        };
+        bounded("the second ask's beat", sent.recv()).await.unwrap();
+        asks.close(0);
+        let answer = bounded("the closed stream's answer", asking).await.unwrap();
+        assert!(answer.is_none(), "asked again by a call");
+    }
+
+    /// Beats `beats` until an acknowledgement of beat `seq` or later comes back;
+    /// returns the quorum it names.
+    async fn acknowledged(
+        events: &mut Streaming<proto::LighthouseEvent>,
+        beats: &mpsc::Sender<proto::Beat>,
+        seq: &mut u64,
+    ) -> u64 {
+        *seq += 1;
+        let beat = proto::Beat {
+            protocol_version: PROTOCOL_VERSION,
+            seq: *seq,
+            ..Default::default()
+        };
+        beats.send(beat).await.expect("the stream takes beats");
+        loop {
+            let event = bounded("an acknowledgement", events.message()).await;
+            match event
+                .expect("the stream lives")
+                .expect("the stream is open")
+                .event
+            {
+                Some(Event::Lease(lease)) if lease.seq >= *seq => return lease.quorum_id,
+                _ => {}
+            }
+        }
+    }
+
+    /// Opens a heartbeat stream for `replica_id`, again while the lighthouse still
+    /// holds an older one as live.
+    async fn open(
+        client: &LighthouseClient,
+        replica_id: &str,
+    ) -> (mpsc::Sender<proto::Beat>, Streaming<proto::LighthouseEvent>) {
+        let opened = async {
+            loop {
+                let (beats, rx) = mpsc::channel(4);
+                let first = proto::Beat {
+                    protocol_version: PROTOCOL_VERSION,
+                    replica_id: replica_id.into(),
+                    manager_address: format!("{replica_id}-manager:1"),
+                    seq: 1,
+                    ..Default::default()
+                };
+                beats.try_send(first).expect("room for the first beat");
+                match client.heartbeat(rx, PATIENCE).await {
+                    Ok(events) => return (beats, events),
+                    Err(crate::Error::Rpc(s)) if s.code() == Code::AlreadyExists => {
+                        tokio::time::sleep(Duration::from_millis(20)).await
+                    }
+                    Err(e) => panic!("cannot open a heartbeat stream: {e}"),
+                }
+            }
+        };
+        bounded("a heartbeat stream", opened).await
+    }
+
+    /// The premise of telling the ranks at once when a stream ends: a stream opened
+    /// again to the same lighthouse, however soon, never holds a lease of a quorum the
+    /// one before held, so no step of that quorum can commit any more.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_opened_again_holds_no_lease_of_the_quorum_its_last_one_held() {
+        let server = lighthouse::serve(LighthouseOptions {
+            bind: "127.0.0.1:0".into(),
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(2),
+            rollback_after: Duration::from_secs(30),
+            token: JobToken::default(),
+            connections: GateLimits::RPC,
+            insecure: false,
+        })
+        .await
+        .expect("lighthouse starts");
+        let address = server.local_addr().to_string();
+        let client = LighthouseClient::new(&address, &JobToken::default(), PATIENCE).unwrap();
+
+        let (beats, mut events) = open(&client, "g").await;
+        let quorum = client.quorum(member("g"), 0, PATIENCE).await.unwrap();
+        let mut seq = 1;
+        while acknowledged(&mut events, &beats, &mut seq).await != quorum.quorum_id {}
+        // Ended at once, well inside the lease of its last acknowledgement.
+        drop((beats, events));
+        let (beats, mut events) = open(&client, "g").await;
+        let mut seq = 1;
+        for _ in 0..5 {
+            let leased = acknowledged(&mut events, &beats, &mut seq).await;
+            assert_ne!(
+                leased, quorum.quorum_id,
+                "a lease of the old stream's quorum"
+            );
+        }
+        // Left to itself the lighthouse would give the same id to the same member
+        // again; with a failed step reported, as `Asks::fresh` does, it does not.
+        let ask = proto::Member {
+            commit_failures: 1,
+            ..member("g")
+        };
+        let again = client
+            .quorum(ask, quorum.quorum_id, PATIENCE)
+            .await
+            .unwrap();
+        assert!(
+            again.quorum_id > quorum.quorum_id,
+            "{again:?} after {quorum:?}"
+        );
+        server.shutdown().await;
     }
 }

@@ -151,13 +151,23 @@ impl Shared {
         let (member, last_quorum_id) =
             self.lock()
                 .member(&gathering, &self.manager_address, &self.store_address);
-        let reported_failures = member.commit_failures;
+        let (member, last_quorum_id) = self.asks.fresh(member, last_quorum_id);
+        let mut reported_failures = member.commit_failures;
         let started = Instant::now();
+        // The stream the quorum came on, if it came on one.
+        let mut stream = None;
         let result = match self.asks.ask(member.clone(), last_quorum_id, timeout).await {
-            Some(answer) => answer
-                .map_err(Error::Rpc)
-                .and_then(|encoded| decode_quorum(encoded, self.lighthouse.address())),
+            Some(answer) => {
+                stream = Some(answer.stream);
+                answer
+                    .quorum
+                    .map_err(Error::Rpc)
+                    .and_then(|encoded| decode_quorum(encoded, self.lighthouse.address()))
+            }
             None => {
+                // The stream may have ended meanwhile, and a lease with it.
+                let (member, last_quorum_id) = self.asks.fresh(member, last_quorum_id);
+                reported_failures = member.commit_failures;
                 let left = timeout.saturating_sub(started.elapsed());
                 self.lighthouse
                     .quorum_patiently(member, last_quorum_id, left)
@@ -184,6 +194,11 @@ impl Shared {
             p.step = gathering.step;
         });
         let replica_id = &self.options.replica_id;
+        // Counted by the stream's end, or else told now: the stream ended since.
+        if stream.is_some_and(|s| !self.asks.handed(quorum.quorum_id, s)) {
+            let why = "the heartbeat stream it came on ended";
+            heartbeat::lease_lost(&self.events, replica_id, quorum.quorum_id, why);
+        }
         let init_sync = self.options.init_sync;
         let mut heals = false;
         gathering.answer(|rank| {
@@ -604,5 +619,169 @@ async fn beat_until_stopped(heartbeat: Heartbeat, mut stopping: watch::Receiver<
     tokio::select! {
         _ = heartbeat.run() => {}
         _ = stopping.wait_for(|s| *s) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::ManagerClient;
+    use crate::lighthouse::{self, LighthouseOptions};
+    use crate::proto::PROTOCOL_VERSION;
+    use tokio::net::TcpStream;
+
+    const PATIENCE: Duration = Duration::from_secs(5);
+
+    async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+        tokio::time::timeout(PATIENCE, fut)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: nothing within {PATIENCE:?}"))
+    }
+
+    /// A proxy in front of `target` whose `reset` closes every connection through it
+    /// (both sides), as a lighthouse's host restarting its network would.
+    async fn proxy(target: std::net::SocketAddr) -> (String, watch::Sender<u64>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("proxy binds");
+        let address = listener.local_addr().expect("proxy address").to_string();
+        let (reset, resets) = watch::channel(0);
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let mut reset = resets.clone();
+                reset.mark_unchanged();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = reset.changed() => {}
+                    }
+                });
+            }
+        });
+        (address, reset)
+    }
+
+    async fn quorum(group: &LocalManager, step: i64) -> u64 {
+        let request = proto::ManagerQuorumRequest {
+            protocol_version: PROTOCOL_VERSION,
+            step,
+            state_address: "g-state:1".into(),
+            timeout_ms: 3000,
+            ..Default::default()
+        };
+        let answer = bounded("a quorum", group.quorum(Request::new(request))).await;
+        answer.expect("a quorum").into_inner().quorum_id
+    }
+
+    async fn commits(group: &LocalManager, step: i64, quorum_id: u64) -> bool {
+        let ballot = proto::ShouldCommitRequest {
+            protocol_version: PROTOCOL_VERSION,
+            step,
+            vote: true,
+            quorum_id,
+            timeout_ms: 3000,
+            ..Default::default()
+        };
+        let decision = bounded("a decision", group.should_commit(Request::new(ballot))).await;
+        decision.expect("a decision").into_inner().commit
+    }
+
+    /// The manager's stream breaks; the next event its ranks hear must be the loss
+    /// of quorum `quorum_id`, soon. Returns once a new stream holds a lease again.
+    async fn told_lost(
+        group: &LocalManager,
+        reset: &watch::Sender<u64>,
+        events: &mut tonic::Streaming<proto::ManagerEvent>,
+        quorum_id: u64,
+    ) {
+        let broke = Instant::now();
+        reset.send_modify(|n| *n += 1);
+        let event = bounded("the ranks told", events.message()).await;
+        let lost = event.unwrap().unwrap().membership_lost.expect("a loss");
+        let told = broke.elapsed();
+        assert_eq!(
+            (lost.quorum_id, lost.cause.as_str()),
+            (quorum_id, heartbeat::LIGHTHOUSE_LOST)
+        );
+        assert!(lost.lost.is_empty(), "no group died: {lost:?}");
+        assert!(told < Duration::from_millis(500), "told after {told:?}");
+        // Asked only once the new stream is acknowledged: a quorum asked before the
+        // lighthouse saw the old stream end could be one it then drops the group from.
+        let mut lease = group.0.shared.lease.clone();
+        let acknowledged = lease.wait_for(|l| l.is_some());
+        bounded("a new stream", acknowledged).await.unwrap();
+    }
+
+    /// A heartbeat stream broken and opened again to the same lighthouse: the ranks
+    /// are told at once that no step of its quorum can commit (and indeed none does),
+    /// and the next quorum has a new id, also when no step failed (the lighthouse
+    /// would give the same members the same id again), so that the ranks' rule costs
+    /// no step that could commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_stream_tells_the_ranks_its_quorum_is_lost_and_the_next_one_is_new() {
+        let server = lighthouse::serve(LighthouseOptions {
+            bind: "127.0.0.1:0".into(),
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(100),
+            heartbeat_timeout: Duration::from_secs(2),
+            rollback_after: Duration::from_secs(30),
+            token: JobToken::default(),
+            connections: GateLimits::RPC,
+            insecure: false,
+        })
+        .await
+        .expect("lighthouse starts");
+        let (through, reset) = proxy(server.local_addr()).await;
+        let handle = serve(ManagerOptions {
+            replica_id: "g".into(),
+            lighthouse_address: through,
+            bind: "127.0.0.1:0".into(),
+            also_bind: None,
+            advertise_host: None,
+            store_address: String::new(),
+            world_size: 1,
+            heartbeat_interval: Duration::from_millis(50),
+            connect_timeout: Duration::from_millis(500),
+            init_sync: false,
+            token: JobToken::default(),
+            connections: GateLimits::RPC,
+        })
+        .await
+        .expect("manager server starts");
+        let rank = ManagerClient::new(&handle.address, &JobToken::default(), PATIENCE).unwrap();
+        let mut events = bounded("events", rank.events(PATIENCE)).await.unwrap();
+        let group = &handle.local;
+
+        // Between two steps: nothing fails, yet the next quorum is a new one.
+        let first = quorum(group, 0).await;
+        assert!(
+            commits(group, 0, first).await,
+            "under the lease of quorum {first}"
+        );
+        told_lost(group, &reset, &mut events, first).await;
+        let second = quorum(group, 1).await;
+        assert!(second > first, "quorum {second} after {first}");
+        assert!(
+            commits(group, 1, second).await,
+            "under the lease of {second}"
+        );
+
+        // In the middle of a step: that step could indeed never commit.
+        assert_eq!(
+            quorum(group, 2).await,
+            second,
+            "an unchanged quorum keeps its id"
+        );
+        told_lost(group, &reset, &mut events, second).await;
+        assert!(
+            !commits(group, 2, second).await,
+            "committed without a lease"
+        );
+        let third = quorum(group, 2).await;
+        assert!(third > second, "quorum {third} after {second}");
+        assert!(commits(group, 2, third).await, "under the lease of {third}");
+        handle.server.shutdown().await;
+        server.shutdown().await;
     }
 }
