@@ -727,12 +727,20 @@ mod tests {
         let client =
             LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
         let before = client.route();
-        let status = client.status(Duration::from_millis(100)).await;
-        assert!(
-            matches!(&status, Err(Error::Rpc(s)) if s.code() == Code::DeadlineExceeded),
-            "{:?}",
-            status.err()
-        );
-        assert_eq!(client.route().epoch, before.epoch + 1);
+        // On a loaded machine the connection itself may take longer than an attempt
+        // may (CONNECT_ATTEMPT): that is a failed connect, not a silent lighthouse,
+        // and the next call connects again. Some call gets through to the silence.
+        for _ in 0..10 {
+            let status = client.status(Duration::from_millis(100)).await;
+            match &status {
+                Err(Error::Connect { .. }) => continue,
+                Err(Error::Rpc(s)) if s.code() == Code::DeadlineExceeded => {
+                    assert_eq!(client.route().epoch, before.epoch + 1);
+                    return;
+                }
+                other => panic!("{:?}", other.as_ref().err()),
+            }
+        }
+        panic!("ten calls could not connect to a listening socket on loopback");
     }
 }
