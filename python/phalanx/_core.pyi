@@ -147,9 +147,10 @@ class MembershipLost:
     def lost(self) -> list[str]: ...
     @property
     def cause(self) -> str:
-        """ "stream_broken" (process gone), "heartbeat_timeout" (process stopped) or
+        """ "stream_broken" (process gone), "heartbeat_timeout" (process stopped),
         "progress_stalled" (training thread hung; the event then names the group that
-        receives it too)."""
+        receives it too), or "lighthouse_lost" (this group's heartbeat stream ended:
+        no step of `quorum_id` can commit; it names no group)."""
 
 class ReplicaStatus:
     @property
