@@ -520,7 +520,6 @@ impl Heartbeat {
 mod tests {
     use super::*;
     use crate::auth::JobToken;
-    use crate::gate::GateLimits;
     use crate::lighthouse::{self, LighthouseOptions};
 
     const PATIENCE: Duration = Duration::from_secs(5);
@@ -677,13 +676,8 @@ mod tests {
     async fn a_stream_opened_again_holds_no_lease_of_the_quorum_its_last_one_held() {
         let server = lighthouse::serve(LighthouseOptions {
             bind: "127.0.0.1:0".into(),
-            min_replicas: 1,
             join_timeout: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_secs(2),
-            rollback_after: Duration::from_secs(30),
-            token: JobToken::default(),
-            connections: GateLimits::RPC,
-            insecure: false,
+            ..LighthouseOptions::default()
         })
         .await
         .expect("lighthouse starts");

@@ -722,13 +722,8 @@ mod tests {
     async fn a_broken_stream_tells_the_ranks_its_quorum_is_lost_and_the_next_one_is_new() {
         let server = lighthouse::serve(LighthouseOptions {
             bind: "127.0.0.1:0".into(),
-            min_replicas: 1,
             join_timeout: Duration::from_millis(100),
-            heartbeat_timeout: Duration::from_secs(2),
-            rollback_after: Duration::from_secs(30),
-            token: JobToken::default(),
-            connections: GateLimits::RPC,
-            insecure: false,
+            ..LighthouseOptions::default()
         })
         .await
         .expect("lighthouse starts");
