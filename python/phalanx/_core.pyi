@@ -126,6 +126,10 @@ class QuorumResult:
     @property
     def rolled_back_from(self) -> StateIdentity | None:
         """Set when the quorum starts a new lineage (see `Quorum.rolled_back_from`)."""
+    @property
+    def participating_rank(self) -> int | None:
+        """This group's rank among the contributors, 0 .. contributors - 1; None while
+        it heals."""
 
 class CommitDecision:
     """A group's decision on a step; true when it commits."""

@@ -76,8 +76,8 @@ def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Paramet
 class DistributedDataParallel(nn.Module):
     """Wraps an unmodified module; its gradients are averaged over the quorum.
 
-    The module's state is registered with the manager as "model", so a healing group
-    receives it from its peers.
+    The module's state is registered with the manager as `name` ("model"), so a
+    healing group receives it from its peers; with `name=None` the caller registers it.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class DistributedDataParallel(nn.Module):
         module: nn.Module,
         manager: Manager,
         bucket_bytes: int = BUCKET_BYTES,
-        name: str = "model",
+        name: str | None = "model",
     ):
         super().__init__()
         self.module = module
@@ -95,7 +95,8 @@ class DistributedDataParallel(nn.Module):
             group = manager.group_process_group()
             for tensor in module.state_dict().values():
                 group.broadcast([tensor], dist.BroadcastOptions()).wait()
-        manager.register_state(name, module.state_dict, module.load_state_dict)
+        if name is not None:
+            manager.register_state(name, module.state_dict, module.load_state_dict)
         params = [p for p in module.parameters() if p.requires_grad]
         self._buckets = [_Bucket(b) for b in _buckets(params, bucket_bytes)]
         for bucket in self._buckets:

@@ -7,7 +7,8 @@ meet only every `sync_every` inner steps, so a job sends a fraction of DDP's byt
   parameters after it — is averaged over the live groups and handed to an outer
   optimizer (SGD with Nesterov momentum by default) that steps the global
   parameters. The local parameters then start the next round from them.
-- Streaming DiLoCo (`fragments=F`): the parameters are cut into F fragments that sync
+- Streaming DiLoCo (`fragments=F`, or the modules of the model that sync as one each):
+  the parameters are cut into F fragments that sync
   in turn, one every `sync_every / F` steps, so the bytes of a sync are spread out;
   with `overlap_steps=k` a fragment's all-reduce runs during the next k inner steps,
   whose progress on that fragment is kept (replayed onto the new global values).
@@ -178,7 +179,7 @@ class DiLoCo:
             DEFAULT_OUTER_OPTIMIZER
         ),
         *,
-        fragments: int = 1,
+        fragments: int | Sequence[nn.Module] = 1,
         overlap_steps: int = 0,
         quantize: str | None = None,
         name: str = "diloco",
@@ -190,7 +191,8 @@ class DiLoCo:
                 "runs the transactions, only at syncs"
             )
         params = list(model.named_parameters())
-        _check_settings(sync_every, fragments, overlap_steps, quantize, len(params))
+        count = fragments if isinstance(fragments, int) else len(fragments)
+        _check_settings(sync_every, count, overlap_steps, quantize, len(params))
         self.manager = manager
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -201,9 +203,12 @@ class DiLoCo:
         local = [p for _, p in params]
         self._global = [p.detach().clone() for p in local]
         self.outer_optimizer = outer_optimizer(self._global)
-        runs = _split([p.numel() for p in local], fragments)
+        if isinstance(fragments, int):
+            runs = _split([p.numel() for p in local], fragments)
+        else:
+            runs = _runs_of(local, fragments)
         self._fragments = [self._flats([local[i] for i in run], run) for run in runs]
-        self._slot = sync_every // fragments
+        self._slot = sync_every // count
         self._inner_step = 0
         self._in_flight: _InFlight | None = None
         self._healed = False
@@ -442,6 +447,33 @@ class LocalSGD(DiLoCo):
             name=name,
             join_timeout=join_timeout,
         )
+
+
+def _runs_of(params: list[torch.Tensor], fragments: Sequence[nn.Module]) -> list[list[int]]:
+    """The indices of `params` that each module of `fragments` holds; every parameter
+    must be in exactly one."""
+    index = {id(p): i for i, p in enumerate(params)}
+    runs: list[list[int]] = []
+    owner: dict[int, int] = {}
+    for f, module in enumerate(fragments):
+        run = []
+        for name, p in module.named_parameters():
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"fragment {f}'s parameter {name!r} is not in the model")
+            if i in owner:
+                raise ValueError(f"parameter {name!r} is in fragments {owner[i]} and {f}")
+            owner[i] = f
+            run.append(i)
+        if not run:
+            raise ValueError(f"fragment {f} has no parameters")
+        runs.append(run)
+    if len(owner) != len(params):
+        raise ValueError(
+            f"{len(params) - len(owner)} of the model's parameter tensors are in no fragment; "
+            "every parameter must sync with one fragment"
+        )
+    return runs
 
 
 def _check_settings(

@@ -41,6 +41,13 @@ class HeldState:
     #: The identity before this step's heal, restored if the group's heal failed.
     before_heal: tuple[int, int, int] | None = None
 
+    def resumed(self, step: int) -> None:
+        """A state loaded from a checkpoint of `step`: no quorum committed it in this
+        job, so any live state of that step wins over it."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"a checkpoint's step is a count of steps, not {step!r}")
+        self.step, self.state_quorum_id, self.torn = step, 0, False
+
     def new_step(self) -> None:
         self.before_heal = None
 

@@ -100,6 +100,18 @@ class Manager:
         `manager.register_state("model", model.state_dict, model.load_state_dict)`."""
         self._rank.registry.register(name, state_dict, load_state_dict)
 
+    def resume_at(self, step: int) -> None:
+        """Takes `step` as this rank's committed step, for a state the training loop
+        loaded from a checkpoint of that step; call it before the first quorum. A live
+        group that holds the step as committed in a quorum, or a later one, holds the
+        job's state, and this group heals from it."""
+        if self._step is not None:
+            raise RuntimeError(
+                "resume_at() after the first start_quorum(): load the checkpoint before "
+                "the training loop starts"
+            )
+        self._rank.held.resumed(step)
+
     def register_pre_commit(self, fn: Callable[[], None]) -> None:
         """Runs `fn` at the start of every `should_commit()`, e.g. to start the
         all-reduces a wrapper still owes the step."""

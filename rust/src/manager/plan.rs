@@ -81,6 +81,12 @@ pub fn rank_plan(
             .collect()
     };
     let contributors = participants.iter().filter(|m| source(m)).count();
+    let participating_rank = (!heal).then(|| {
+        participants[..replica_rank]
+            .iter()
+            .filter(|m| source(m))
+            .count() as u32
+    });
     let serves_healers = !heal && contributors < participants.len();
     let target = target.unwrap_or(Identity {
         lineage: quorum.lineage,
@@ -102,6 +108,7 @@ pub fn rank_plan(
         serves_healers,
         lineage: quorum.lineage,
         rolled_back_from: quorum.rolled_back_from,
+        participating_rank,
         store_address: primary.store_address.clone(),
         store_prefix: format!("{}/r{group_rank}", quorum_store_prefix(quorum.quorum_id)),
     })
@@ -205,6 +212,20 @@ mod tests {
         let a = rank_plan(&q, "a", 0, true).unwrap();
         assert!(!a.heal && a.serves_healers);
         assert_eq!(a.contributors, 2);
+    }
+
+    #[test]
+    fn the_contributors_are_numbered_in_order_and_a_healer_has_no_number() {
+        let q = quorum(vec![
+            committed_in(member("a", 4), 3),
+            committed_in(member("b", 2), 1),
+            committed_in(member("c", 4), 3),
+        ]);
+        let ranks: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|id| rank_plan(&q, id, 0, true).unwrap().participating_rank)
+            .collect();
+        assert_eq!(ranks, [Some(0), None, Some(1)]);
     }
 
     #[test]

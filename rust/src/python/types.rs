@@ -120,6 +120,8 @@ pub struct QuorumResult {
     pub(super) lineage: u64,
     /// Set when this quorum starts a new lineage: the newest state, given up.
     pub(super) rolled_back_from: Option<StateIdentity>,
+    /// This group's rank among the contributors; None while it heals.
+    pub(super) participating_rank: Option<u32>,
 }
 
 impl From<proto::ManagerQuorumResponse> for QuorumResult {
@@ -146,6 +148,7 @@ impl From<proto::ManagerQuorumResponse> for QuorumResult {
             store_prefix: r.store_prefix,
             lineage: r.lineage,
             rolled_back_from: r.rolled_back_from.map(Into::into),
+            participating_rank: r.participating_rank,
         }
     }
 }
