@@ -235,6 +235,11 @@ class DiLoCo:
         """Takes an inner step; at a sync point also syncs (or starts to, with
         `overlap_steps`). Returns the outcome of a sync that ended here, else None."""
         self.inner_optimizer.step(closure)
+        return self.count_inner_step()
+
+    def count_inner_step(self) -> SyncOutcome | None:
+        """Counts an inner step the caller took itself (e.g. from a step hook of the
+        inner optimizer) and syncs where `step()` would; returns what `step()` does."""
         self._inner_step += 1
         outcome = None
         if self._in_flight is not None and self._inner_step >= self._in_flight.finish_at:

@@ -54,7 +54,9 @@ _INSTEAD = {
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+        # torchft's top-level Optimizer is its optim.OptimizerWrapper.
+        attribute = "OptimizerWrapper" if name == "Optimizer" else name
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), attribute)
     if name in SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _INSTEAD:

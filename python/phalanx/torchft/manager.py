@@ -328,8 +328,10 @@ class Manager:
         return Work(finish, tensor)
 
     def report_error(self, e: BaseException) -> None:
-        """Fails this step: its vote will be no, and the next step goes on."""
-        self._errored = ExceptionWithTraceback(e)
+        """Fails this step: its vote will be no, and the next step goes on. The first
+        error of a step is the one `errored()` returns."""
+        if self._errored is None:
+            self._errored = ExceptionWithTraceback(e)
         self.phalanx.report_error(f"reported by the training loop: {e}")
 
     def errored(self) -> ExceptionWithTraceback | None:
