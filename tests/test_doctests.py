@@ -31,6 +31,10 @@ MODULES = [
     "phalanx.demo.report",
     "phalanx.demo.job",
     "phalanx.demo.lighthouses",
+    "phalanx.torchft.manager",
+    "phalanx.torchft.process_group",
+    "phalanx.torchft.data",
+    "phalanx.torchft.checkpointing",
 ]
 
 

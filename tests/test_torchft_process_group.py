@@ -174,15 +174,11 @@ def test_an_unsupported_op_raises_with_its_name_and_the_step_goes_on(solo):
 
 
 def test_it_takes_a_manager_only(lighthouse):
-    with pytest.raises(TypeError, match="needs a phalanx.Manager or a phalanx.torchft.Manager"):
+    with pytest.raises(TypeError, match="needs a phalanx.torchft.Manager or a phalanx.Manager"):
         ManagedProcessGroup(object())
 
-    class Compat:  # what phalanx.torchft.Manager holds: the phalanx Manager as .phalanx
-        def __init__(self, manager):
-            self.phalanx = manager
-
     with phalanx.Manager(replica_id="c", lighthouse=lighthouse.address) as manager:
-        pg = ManagedProcessGroup(Compat(manager))
+        pg = ManagedProcessGroup(manager)
         manager.start_quorum()
         t = torch.tensor([3.0])
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg)

@@ -210,7 +210,8 @@ class Manager:
                 "a healing group streams the state from every up-to-date peer's state "
                 "server, striped and checksummed, straight into its own tensors",
             )
-        collective = min(timeout, _positive(pg.timeout, "the process group's timeout"))
+        backend = getattr(pg, "collective_timeout", pg.timeout)
+        collective = min(timeout, _positive(backend, "the process group's timeout"))
         self.phalanx = phalanx.Manager(
             replica_id=_replica_id(env, replica_id),
             lighthouse=_lighthouse(env, lighthouse_addr),
@@ -485,7 +486,9 @@ def phalanx_manager(manager: Any, what: str) -> phalanx.Manager:
         return manager.phalanx
     if isinstance(manager, phalanx.Manager):
         return manager
-    raise TypeError(f"expected a phalanx.torchft Manager, got {type(manager).__name__}")
+    raise TypeError(
+        f"{what} needs a phalanx.torchft.Manager or a phalanx.Manager, got {type(manager).__name__}"
+    )
 
 
 def _device(pg: Any) -> str | None:

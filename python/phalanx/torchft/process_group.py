@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-from phalanx.manager import Handle, Manager
+from phalanx.manager import Handle
+from phalanx.torchft.manager import phalanx_manager
 
 __all__ = [
     "ManagedProcessGroup",
@@ -361,12 +362,7 @@ class ManagedProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, manager: Any) -> None:
-        inner = getattr(manager, "phalanx", manager)
-        if not isinstance(inner, Manager):
-            raise TypeError(
-                f"ManagedProcessGroup needs a phalanx.Manager or a phalanx.torchft.Manager, "
-                f"got {type(manager).__name__}"
-            )
+        inner = phalanx_manager(manager, "ManagedProcessGroup")
         # torch's fallback rank and size; this group answers both itself (below).
         super().__init__(0, 1)
         self._manager = inner
