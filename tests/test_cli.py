@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -55,6 +56,12 @@ def test_lighthouse_help_lists_every_option():
         "--token",
         "--token-file",
         "--insecure",
+        # torchft_lighthouse's spellings, under a heading of their own
+        "torchft_lighthouse's flags",
+        "--min_replicas",
+        "--join_timeout_ms",
+        "--heartbeat_timeout_ms",
+        "--quorum_tick_ms",
     ):
         assert option in done.stdout
 
@@ -164,6 +171,81 @@ def test_an_idle_lighthouse_sleeps(start_lighthouse_cli):
     before = cpu_seconds(lighthouse.pid)
     time.sleep(1.0)
     assert cpu_seconds(lighthouse.pid) - before < 0.2
+
+
+def test_the_lighthouse_takes_torchft_lighthouses_flags_in_its_units(spawn):
+    # A torchft job's command line, its program renamed: the settings are milliseconds.
+    lighthouse = spawn(
+        "lighthouse(torchft flags)",
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "lighthouse",
+            "--bind",
+            "127.0.0.1:0",
+            "--min_replicas",
+            "2",
+            "--join_timeout_ms",
+            "250",
+            "--heartbeat_timeout_ms",
+            "1500",
+            "--quorum_tick_ms",
+            "100",
+        ],
+    )
+    line = lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 10.0, "address")
+    address = line["text"].split("listening on ", 1)[1].split(";", 1)[0]
+
+    status = phalanx.LighthouseClient(address).status(timeout=2.0)
+    assert (status.min_replicas, status.join_timeout_ms, status.heartbeat_timeout_ms) == (
+        2,
+        250,
+        1500,
+    )
+    code, body = http_get(f"http://{address}/status")
+    assert code == 200
+    shown = json.loads(body)
+    assert (shown["min_replicas"], shown["join_timeout_ms"], shown["heartbeat_timeout_ms"]) == (
+        2,
+        250,
+        1500,
+    )
+    # min_replicas 2 took: one group alone gets no quorum.
+    with pytest.raises(TimeoutError):
+        phalanx.LighthouseClient(address).quorum("a", timeout=0.5)
+
+    lighthouse.signal(signal.SIGTERM)
+    assert lighthouse.wait(timeout=5.0) == 0
+    notes = [line for line in lighthouse.stderr if "--quorum_tick_ms" in line]
+    assert notes == [
+        "phalanx lighthouse: --quorum_tick_ms 100 is not needed and is ignored: phalanx has no "
+        "quorum tick; it decides a quorum on every event (a join, a heartbeat, a deadline)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--min-replicas", "3", "--min_replicas", "2"],
+            "--min-replicas 3 and --min_replicas 2 (torchft_lighthouse's spelling of the same "
+            "setting) disagree; give one of them",
+        ),
+        (
+            ["--join_timeout_ms", "250", "--join-timeout", "1s"],
+            "--join-timeout 1s and --join_timeout_ms 250",
+        ),
+        (["--lighthouse_config", "lh.json"], "--lighthouse_config lh.json: phalanx's lighthouse"),
+        (["--expected_replicas", "1,2"], "drop the flag and start as many groups"),
+        (["--join_timeout_ms", "1s"], "--join_timeout_ms"),
+    ],
+)
+def test_a_torchft_flag_given_wrong_or_unsupported_is_a_usage_error(args, expected):
+    done = phalanx_cli("lighthouse", "--bind", "127.0.0.1:0", *args)
+    assert done.returncode == 2
+    assert expected in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_the_token_can_come_from_the_environment(start_lighthouse_cli):

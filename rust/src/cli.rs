@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 
 use crate::auth::{self, JobToken, TokenSource};
 use crate::gate::GateLimits;
@@ -22,12 +24,47 @@ static HEARTBEAT_TIMEOUT: LazyLock<String> =
 static ROLLBACK_AFTER: LazyLock<String> =
     LazyLock::new(|| duration_text(Tuning::DEFAULT.rollback_after));
 
+/// The lighthouse's command line: its flags, torchft_lighthouse's spellings folded into
+/// phalanx's own (`LighthouseFlags::resolve`). Parse it with `clap::Parser`'s calls.
+#[derive(Debug)]
+pub struct LighthouseArgs {
+    /// The settings; where a torchft flag was given, its value is in the phalanx field.
+    pub flags: LighthouseFlags,
+    /// What the command line asked for that phalanx does not need, one line each for
+    /// stderr when the lighthouse starts.
+    pub notes: Vec<String>,
+}
+
+// By hand, not derived: telling a phalanx flag given on the command line from its
+// default or its environment variable takes the parsed matches, which a derive hides.
+impl CommandFactory for LighthouseArgs {
+    fn command() -> clap::Command {
+        LighthouseFlags::command()
+    }
+    fn command_for_update() -> clap::Command {
+        LighthouseFlags::command_for_update()
+    }
+}
+
+impl FromArgMatches for LighthouseArgs {
+    fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let flags = LighthouseFlags::from_arg_matches(matches)?;
+        flags.resolve(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+    }
+    fn update_from_arg_matches(&mut self, matches: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+impl Parser for LighthouseArgs {}
+
 /// Run the lighthouse of a phalanx job: it decides which replica groups take part in
 /// each step and watches their liveness. Serves gRPC and, on the same port, a status
 /// page at `/`, `/status` (JSON) and `/metrics` (Prometheus).
 #[derive(Debug, Parser)]
 #[command(name = "phalanx-lighthouse", version)]
-pub struct LighthouseArgs {
+pub struct LighthouseFlags {
     /// Address to listen on, host:port (port 0 picks a free one).
     #[arg(long, env = "PHALANX_LIGHTHOUSE_BIND", default_value = "0.0.0.0:29510")]
     pub bind: String,
@@ -77,6 +114,130 @@ pub struct LighthouseArgs {
     /// Deleting it while another member is down can elect two leaders.
     #[arg(long, value_name = "FILE", requires = "peers")]
     pub state_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub torchft: TorchftFlags,
+}
+
+/// torchft_lighthouse's flags, so that a job's torchft command line starts phalanx's
+/// lighthouse unchanged. Its durations are whole milliseconds.
+#[derive(Debug, Default, clap::Args)]
+#[command(next_help_heading = "torchft_lighthouse's flags (durations in milliseconds)")]
+pub struct TorchftFlags {
+    /// --min-replicas, as torchft_lighthouse spells it.
+    #[arg(id = "torchft_min_replicas", long = "min_replicas", value_name = "N")]
+    pub min_replicas: Option<usize>,
+    /// --join-timeout, in milliseconds.
+    #[arg(long = "join_timeout_ms", value_name = "MS")]
+    pub join_timeout_ms: Option<u64>,
+    /// --heartbeat-timeout, in milliseconds.
+    #[arg(long = "heartbeat_timeout_ms", value_name = "MS")]
+    pub heartbeat_timeout_ms: Option<u64>,
+    /// Accepted, not needed: phalanx has no quorum tick; it decides a quorum on every
+    /// event (a join, a heartbeat, a deadline). Noted once on stderr.
+    #[arg(long = "quorum_tick_ms", value_name = "MS")]
+    pub quorum_tick_ms: Option<u64>,
+    /// Accepted, not needed: a silent group is declared dead at its own heartbeat
+    /// deadline, with no failure tick. Noted once on stderr.
+    #[arg(long = "failure_tick_ms", value_name = "MS")]
+    pub failure_tick_ms: Option<u64>,
+    /// Refused: phalanx's lighthouse hands its clients no configuration file; give
+    /// the training script its settings itself.
+    #[arg(long = "lighthouse_config", value_name = "FILE")]
+    pub lighthouse_config: Option<PathBuf>,
+    /// Refused: a phalanx quorum holds every live group that joins in time and is not
+    /// cut to listed sizes; start as many groups as the job should use.
+    #[arg(long = "expected_replicas", value_name = "N,N,...")]
+    pub expected_replicas: Option<String>,
+}
+
+impl LighthouseFlags {
+    /// These flags with torchft_lighthouse's folded into phalanx's: a torchft flag
+    /// sets the phalanx one it spells (over its environment variable, as any flag
+    /// does); both on the command line (`on_command_line` of a phalanx flag's id)
+    /// must agree. A torchft flag phalanx cannot honour is refused, saying what to do.
+    pub fn resolve(
+        mut self,
+        on_command_line: impl Fn(&str) -> bool,
+    ) -> Result<LighthouseArgs, clap::Error> {
+        let torchft = std::mem::take(&mut self.torchft);
+        if let Some(file) = &torchft.lighthouse_config {
+            return Err(usage_error(format!(
+                "--lighthouse_config {}: phalanx's lighthouse hands its clients no \
+                 configuration (torchft's LighthouseConfig call); drop the flag and give the \
+                 training script its settings itself, as arguments or environment",
+                file.display()
+            )));
+        }
+        if let Some(sizes) = &torchft.expected_replicas {
+            return Err(usage_error(format!(
+                "--expected_replicas {sizes}: a phalanx quorum holds every live group that \
+                 joins within --join-timeout and is not cut to listed sizes; drop the flag \
+                 and start as many groups as the job should use (phalanx run --replicas N)"
+            )));
+        }
+        if let Some(n) = torchft.min_replicas {
+            if on_command_line("min_replicas") && self.min_replicas != n {
+                return Err(disagree(
+                    format!("--min-replicas {}", self.min_replicas),
+                    format!("--min_replicas {n}"),
+                ));
+            }
+            self.min_replicas = n;
+        }
+        for (id, ms, field, phalanx, torchft_flag) in [
+            (
+                "join_timeout",
+                torchft.join_timeout_ms,
+                &mut self.join_timeout,
+                "--join-timeout",
+                "--join_timeout_ms",
+            ),
+            (
+                "heartbeat_timeout",
+                torchft.heartbeat_timeout_ms,
+                &mut self.heartbeat_timeout,
+                "--heartbeat-timeout",
+                "--heartbeat_timeout_ms",
+            ),
+        ] {
+            let Some(ms) = ms else { continue };
+            let wanted = Duration::from_millis(ms);
+            if on_command_line(id) && *field != wanted {
+                return Err(disagree(
+                    format!("{phalanx} {}", duration_text(*field)),
+                    format!("{torchft_flag} {ms}"),
+                ));
+            }
+            *field = wanted;
+        }
+        let mut notes = Vec::new();
+        if let Some(ms) = torchft.quorum_tick_ms {
+            notes.push(format!(
+                "--quorum_tick_ms {ms} is not needed and is ignored: phalanx has no quorum \
+                 tick; it decides a quorum on every event (a join, a heartbeat, a deadline)"
+            ));
+        }
+        if let Some(ms) = torchft.failure_tick_ms {
+            notes.push(format!(
+                "--failure_tick_ms {ms} is not needed and is ignored: a silent group is \
+                 declared dead at its own --heartbeat-timeout deadline, with no failure tick"
+            ));
+        }
+        Ok(LighthouseArgs { flags: self, notes })
+    }
+}
+
+/// A command-line error clap prints and exits 2 on, like its own.
+fn usage_error(message: String) -> clap::Error {
+    clap::Error::raw(ErrorKind::ArgumentConflict, message)
+}
+
+/// Two spellings of one setting that say different things.
+fn disagree(phalanx: String, torchft: String) -> clap::Error {
+    usage_error(format!(
+        "{phalanx} and {torchft} (torchft_lighthouse's spelling of the same setting) \
+         disagree; give one of them"
+    ))
 }
 
 impl LighthouseArgs {
@@ -86,12 +247,13 @@ impl LighthouseArgs {
         &self,
         environment: impl Fn(&str) -> Option<String>,
     ) -> Result<LighthouseOptions, Error> {
+        let flags = &self.flags;
         let env_token = environment("PHALANX_TOKEN");
         let env_token_file = environment("PHALANX_TOKEN_FILE").map(PathBuf::from);
         let token = auth::resolve_token(
             TokenSource {
-                token: self.token.as_deref(),
-                file: self.token_file.as_deref(),
+                token: flags.token.as_deref(),
+                file: flags.token_file.as_deref(),
             },
             TokenSource {
                 token: env_token.as_deref(),
@@ -99,13 +261,13 @@ impl LighthouseArgs {
             },
         )?;
         Ok(LighthouseOptions {
-            bind: self.bind.clone(),
-            min_replicas: self.min_replicas,
-            join_timeout: self.join_timeout,
-            heartbeat_timeout: self.heartbeat_timeout,
-            rollback_after: self.rollback_after,
+            bind: flags.bind.clone(),
+            min_replicas: flags.min_replicas,
+            join_timeout: flags.join_timeout,
+            heartbeat_timeout: flags.heartbeat_timeout,
+            rollback_after: flags.rollback_after,
             token: JobToken::new(token),
-            insecure: self.insecure,
+            insecure: flags.insecure,
             connections: GateLimits::RPC,
         })
     }
@@ -114,7 +276,8 @@ impl LighthouseArgs {
 impl LighthouseArgs {
     /// The set this lighthouse is one of, if --peers says it is.
     pub fn set_options(&self) -> Result<Option<SetOptions>, Error> {
-        set_options(&self.peers, self.id, self.state_file.as_deref())
+        let flags = &self.flags;
+        set_options(&flags.peers, flags.id, flags.state_file.as_deref())
     }
 }
 
@@ -201,6 +364,9 @@ pub fn duration_text(duration: Duration) -> String {
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
     let options = args.options(process_environment)?;
     let set = args.set_options()?;
+    for note in &args.notes {
+        eprintln!("phalanx lighthouse: {note}");
+    }
     let token_set = options.token.is_set();
     let handle = lighthouse::serve_in_set(options, set).await?;
     // Listen for the signals before announcing the address: a supervisor may signal
@@ -280,7 +446,9 @@ mod tests {
 
     #[test]
     fn the_command_line_defaults_are_the_lighthouses() {
-        let args = LighthouseArgs::try_parse_from(["phalanx-lighthouse"]).unwrap();
+        let args = LighthouseArgs::try_parse_from(["phalanx-lighthouse"])
+            .unwrap()
+            .flags;
         let defaults = Tuning::DEFAULT;
         // The environment of the test process may set them; only the unset ones tell.
         if std::env::var_os("PHALANX_MIN_REPLICAS").is_none() {
@@ -294,6 +462,175 @@ mod tests {
         }
         if std::env::var_os("PHALANX_ROLLBACK_AFTER").is_none() {
             assert_eq!(args.rollback_after, defaults.rollback_after);
+        }
+    }
+    fn parsed(args: &[&str]) -> Result<LighthouseArgs, clap::Error> {
+        LighthouseArgs::try_parse_from(
+            std::iter::once("phalanx-lighthouse").chain(args.iter().copied()),
+        )
+    }
+
+    #[test]
+    fn torchft_flags_set_phalanx_settings_in_milliseconds() {
+        let args = parsed(&[
+            "--bind",
+            "[::]:29510",
+            "--min_replicas",
+            "2",
+            "--join_timeout_ms",
+            "250",
+            "--heartbeat_timeout_ms",
+            "1500",
+            "--quorum_tick_ms",
+            "100",
+        ])
+        .unwrap();
+        assert_eq!(args.flags.bind, "[::]:29510");
+        assert_eq!(args.flags.min_replicas, 2);
+        assert_eq!(args.flags.join_timeout, Duration::from_millis(250));
+        assert_eq!(args.flags.heartbeat_timeout, Duration::from_millis(1500));
+        let options = args.options(|_| None).unwrap();
+        assert_eq!(
+            (
+                options.min_replicas,
+                options.join_timeout,
+                options.heartbeat_timeout
+            ),
+            (2, Duration::from_millis(250), Duration::from_millis(1500))
+        );
+        assert_eq!(args.notes.len(), 1, "{:?}", args.notes);
+        assert!(args.notes[0].starts_with("--quorum_tick_ms 100 is not needed"));
+        assert!(args.notes[0].contains("decides a quorum on every event"));
+    }
+
+    #[test]
+    fn a_tick_phalanx_does_not_need_is_noted_once_each() {
+        let args = parsed(&["--failure_tick_ms", "1000", "--quorum_tick_ms=50"]).unwrap();
+        assert_eq!(args.notes.len(), 2, "{:?}", args.notes);
+        assert!(args.notes[0].starts_with("--quorum_tick_ms 50 "));
+        assert!(args.notes[1].starts_with("--failure_tick_ms 1000 "));
+        assert!(parsed(&[]).unwrap().notes.is_empty());
+    }
+
+    #[test]
+    fn both_spellings_of_a_setting_may_be_given_if_they_agree() {
+        let args = parsed(&[
+            "--min-replicas",
+            "2",
+            "--min_replicas",
+            "2",
+            "--join-timeout",
+            "250ms",
+            "--join_timeout_ms",
+            "250",
+            "--heartbeat-timeout",
+            "1.5s",
+            "--heartbeat_timeout_ms",
+            "1500",
+        ])
+        .unwrap();
+        assert_eq!(args.flags.min_replicas, 2);
+        assert_eq!(args.flags.join_timeout, Duration::from_millis(250));
+        assert_eq!(args.flags.heartbeat_timeout, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn both_spellings_of_a_setting_that_disagree_are_refused_naming_both() {
+        for (args, phalanx, torchft) in [
+            (
+                ["--min-replicas", "3", "--min_replicas", "2"],
+                "--min-replicas 3",
+                "--min_replicas 2",
+            ),
+            (
+                ["--join-timeout", "1s", "--join_timeout_ms", "250"],
+                "--join-timeout 1s",
+                "--join_timeout_ms 250",
+            ),
+            (
+                [
+                    "--heartbeat_timeout_ms",
+                    "1500",
+                    "--heartbeat-timeout",
+                    "2s",
+                ],
+                "--heartbeat-timeout 2s",
+                "--heartbeat_timeout_ms 1500",
+            ),
+        ] {
+            let error = parsed(&args).unwrap_err();
+            assert_eq!(error.exit_code(), 2);
+            let text = error.to_string();
+            assert!(text.contains(&format!("{phalanx} and {torchft}")), "{text}");
+            assert!(text.contains("give one of them"), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_torchft_flag_outranks_the_environment_and_the_default() {
+        // A phalanx value that did not come from the command line (its environment
+        // variable, or its default) yields, as it yields to any flag.
+        let flags =
+            LighthouseFlags::try_parse_from(["x", "--min-replicas", "3", "--min_replicas", "2"])
+                .unwrap();
+        let args = flags.resolve(|_| false).unwrap();
+        assert_eq!(args.flags.min_replicas, 2);
+    }
+
+    #[test]
+    fn a_torchft_flag_phalanx_cannot_honour_is_refused_with_the_fix() {
+        for (args, expected) in [
+            (
+                ["--lighthouse_config", "lh.json"],
+                [
+                    "--lighthouse_config lh.json",
+                    "drop the flag",
+                    "give the training script",
+                ],
+            ),
+            (
+                ["--expected_replicas", "1,2,4"],
+                [
+                    "--expected_replicas 1,2,4",
+                    "drop the flag",
+                    "phalanx run --replicas N",
+                ],
+            ),
+        ] {
+            let error = parsed(&args).unwrap_err();
+            assert_eq!(error.exit_code(), 2);
+            let text = error.to_string();
+            for part in expected {
+                assert!(text.contains(part), "{part:?} in {text}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_torchft_duration_is_whole_milliseconds() {
+        let error = parsed(&["--join_timeout_ms", "1s"]).unwrap_err();
+        assert!(error.to_string().contains("--join_timeout_ms"), "{error}");
+    }
+
+    #[test]
+    fn the_help_lists_torchft_lighthouses_flags_apart() {
+        let help = LighthouseArgs::command().render_help().to_string();
+        let heading = help
+            .find("torchft_lighthouse's flags")
+            .expect("a heading of their own");
+        for flag in [
+            "--min_replicas",
+            "--join_timeout_ms",
+            "--heartbeat_timeout_ms",
+            "--quorum_tick_ms",
+            "--failure_tick_ms",
+            "--lighthouse_config",
+            "--expected_replicas",
+        ] {
+            let at = help
+                .find(flag)
+                .unwrap_or_else(|| panic!("{flag} in {help}"));
+            assert!(at > heading, "{flag} under the heading");
         }
     }
 }
