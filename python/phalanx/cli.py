@@ -3,10 +3,12 @@
 phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out DIR]
 phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
                    [--heartbeat-timeout 2s] [--token-file FILE] [--insecure]
+                   (or torchft_lighthouse's flags: --min_replicas N --join_timeout_ms MS …)
 phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
             [--token-file FILE] [--max-restarts K] [--chaos kill-every=15s]
-            -- train.py ARGS...
+            [--as-torchft] -- train.py ARGS...
 phalanx token FILE [--force]
+phalanx torchft-path      # export PYTHONPATH="$(phalanx torchft-path)${PYTHONPATH:+:$PYTHONPATH}"
 """
 
 from __future__ import annotations
@@ -46,11 +48,27 @@ def _token(args: list[str]) -> int:
     return token.main(args)
 
 
+def _torchft_path(args: list[str]) -> int:
+    # Reads nothing but the path: no torch, no phalanx.torchft, for a job script's shell.
+    from phalanx._torchft_alias.torchft import ALIAS_DIR
+
+    parser = argparse.ArgumentParser(
+        prog="phalanx torchft-path",
+        description="Print the folder that makes `import torchft` phalanx.torchft when it "
+        "is first on PYTHONPATH (what `phalanx run --as-torchft` does), for torchrun, Slurm "
+        'or Kubernetes: export PYTHONPATH="$(phalanx torchft-path)${PYTHONPATH:+:$PYTHONPATH}"',
+    )
+    parser.parse_args(args)
+    print(ALIAS_DIR)
+    return 0
+
+
 COMMANDS = {
     "demo": (_demo, "train a small model through a failure every 15 s; report the result"),
     "lighthouse": (_lighthouse, "run a job's lighthouse (quorum, liveness, status page)"),
     "run": (_run, "start replica groups of a training script, restart failed ones"),
     "token": (_token, "write a new job token to a file only you can read"),
+    "torchft-path": (_torchft_path, "print the folder that makes `import torchft` phalanx's"),
 }
 
 

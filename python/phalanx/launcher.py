@@ -4,8 +4,12 @@ inject failures on purpose.
     phalanx run --replicas 3 --nproc-per-replica 2 -- train.py --lr 0.1
 
 Each group gets W rank processes with the usual environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/MASTER_PORT for the group's own store) and PHALANX_* for the
-job. Without --lighthouse, the launcher serves one itself; with it, the groups join
+LOCAL_RANK, MASTER_ADDR/MASTER_PORT for the group's own store), PHALANX_* for the
+job, and torchft's REPLICA_GROUP_ID (the group's index, 0 to N-1) and
+NUM_REPLICA_GROUPS (N, this launcher's groups). With --as-torchft, `import torchft`
+in the ranks is `phalanx.torchft` (`torchft_alias_dir`) and TORCHFT_LIGHTHOUSE is the
+lighthouse's address.
+Without --lighthouse, the launcher serves one itself; with it, the groups join
 that job, which is how a multi-host job is started (one `phalanx run --replicas 1
 --replica-id … --token-file FILE` per host, FILE written once by `phalanx token`). A
 job always has a token: without --token or --token-file (or PHALANX_TOKEN /
@@ -38,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from phalanx import _core, watchdog
+from phalanx._torchft_alias.torchft import ALIAS_DIR, real_torchft, refusal
 from phalanx.forkserver import ForkServer, die_with_parent, runnable
 from phalanx.restarts import (
     MAX_BACKOFF,
@@ -92,6 +97,34 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
         f"plain processes ({' '.join(command[:2])} is not `python -m MODULE` or "
         f"`python SCRIPT.py` run by this launcher's interpreter, {sys.executable})"
     )
+
+
+def rank_sys_path(command: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The `sys.path` a rank running `command` (resolved) would start with: its
+    script's folder (or the working directory) first, then PYTHONPATH, then what this
+    interpreter's site adds, as the launcher's own `sys.path` shows it.
+
+    >>> rank_sys_path([sys.executable, "/jobs/train.py"], {"PYTHONPATH": "/a:/b"})[:3]
+    ['/jobs', '/a', '/b']
+    """
+    first = os.getcwd()
+    if len(command) > 1 and command[1].endswith(".py"):
+        first = os.path.dirname(os.path.abspath(command[1]))
+    ours = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    # This process's own first entry is its script's folder, not a rank's.
+    site = [p for p in sys.path[0 if sys.flags.safe_path else 1 :] if p not in ours]
+    given = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [first, *given, *site]
+
+
+def torchft_alias_dir(command: list[str], environ: Mapping[str, str]) -> str:
+    """The folder whose `torchft` is `phalanx.torchft`, for --as-torchft; ValueError
+    (what to do) if the ranks would find a real torchft as well, which the alias
+    itself would refuse in every rank."""
+    found = real_torchft(rank_sys_path(command, environ))
+    if found is not None:
+        raise ValueError(refusal(found))
+    return ALIAS_DIR
 
 
 def job_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
@@ -214,6 +247,8 @@ class LaunchConfig:
     chaos: Chaos = field(default_factory=Chaos)
     chaos_seed: int = 0
     fork_server: bool = True
+    #: `import torchft` in the ranks is `phalanx.torchft` (`torchft_alias_dir`).
+    as_torchft: bool = False
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -251,6 +286,7 @@ class LaunchConfig:
             chaos=Chaos.parse(args.chaos),
             chaos_seed=args.chaos_seed,
             fork_server=args.fork_server,
+            as_torchft=args.as_torchft,
         )
 
     def replica_ids(self) -> list[str]:
@@ -297,6 +333,8 @@ class Group:
     """One replica group: its id, its rank processes, and its restart history."""
 
     replica_id: str
+    #: Its place among the launcher's groups: REPLICA_GROUP_ID of its ranks.
+    index: int = 0
     procs: list[subprocess.Popen] = field(default_factory=list)
     #: Its failures since it last committed a step, which --max-restarts bounds.
     count: RestartCount = field(default_factory=RestartCount)
@@ -352,7 +390,7 @@ class Launcher:
         self.chaos = config.chaos
         self.lighthouse_server: _core.LighthouseServer | None = None
         self.lighthouse = config.lighthouse
-        self.groups = [Group(replica_id) for replica_id in config.replica_ids()]
+        self.groups = [Group(replica_id, i) for i, replica_id in enumerate(config.replica_ids())]
         self.selector = selectors.DefaultSelector()
         self.stopping = False
         self.fork_server: ForkServer | None = None
@@ -362,6 +400,8 @@ class Launcher:
         #: Asks the lighthouse's status for `look_for_commits`; made at its first look.
         self.status_client: _core.LighthouseClient | None = None
         self.next_sighting = 0.0
+        #: What every rank's environment starts from (`_start` makes it).
+        self.rank_environ: dict[str, str] = {}
 
     def say(self, text: str) -> None:
         self.observer.say(text)
@@ -402,11 +442,11 @@ class Launcher:
         world = self.config.nproc_per_replica
         group.procs = []
         group.watch = CommitWatch()
-        # The token reaches the ranks as text; a token file of the launcher's, too.
-        inherited = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
         for rank in range(world):
             env = {
-                **inherited,
+                **self.rank_environ,
+                "REPLICA_GROUP_ID": str(group.index),
+                "NUM_REPLICA_GROUPS": str(len(self.groups)),
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world),
@@ -658,10 +698,21 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self.command = resolve(self.command)
+        # The token reaches the ranks as text; a token file of the launcher's, too.
+        self.rank_environ = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
+        if self.config.as_torchft:
+            alias = torchft_alias_dir(self.command, self.rank_environ)
+            given = self.rank_environ.get("PYTHONPATH")
+            self.rank_environ["PYTHONPATH"] = os.pathsep.join([alias, *([given] if given else [])])
+            self.rank_environ["TORCHFT_LIGHTHOUSE"] = self.lighthouse
+            self.say(f"--as-torchft: `import torchft` in the ranks is phalanx.torchft ({alias})")
         forked, why = rank_mode(self.command, self.config.fork_server)
         self.say(f"ranks: {why}")
         if forked:
-            self.fork_server = ForkServer()
+            # The server's interpreter fixes the sys.path of every rank it forks when
+            # it starts: it starts with the ranks' PYTHONPATH.
+            with _environ_of(self.rank_environ, "PYTHONPATH"):
+                self.fork_server = ForkServer()
             self._listen(self.fork_server.process.stdout, _Output(None, 0))
         for group in self.groups:
             self.start_group(group)
@@ -714,6 +765,21 @@ class Launcher:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.say(f"{signal.Signals(signum).name}: stopping every group")
         self.stopping = True
+
+
+@contextlib.contextmanager
+def _environ_of(environ: Mapping[str, str], name: str):
+    """This process's environment variable `name` as in `environ`, for the block."""
+    before = os.environ.get(name)
+    if name in environ:
+        os.environ[name] = environ[name]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -870,6 +936,13 @@ def _add_rank_options(parser: argparse.ArgumentParser) -> None:
         help="fork Python ranks from one interpreter that imported torch once, so a "
         "restarted rank starts at once (default: on, for python scripts and modules)",
     )
+    parser.add_argument(
+        "--as-torchft",
+        action="store_true",
+        help="run a script written for torchft unchanged: `import torchft` in the ranks is "
+        "phalanx.torchft, and TORCHFT_LIGHTHOUSE is the lighthouse's address; refused if "
+        "a real torchft is installed (default: off)",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -883,6 +956,9 @@ def main(argv: list[str]) -> int:
     try:
         config = LaunchConfig.from_args(args, command)
         token = resolve_token(args.token, args.token_file, os.environ)
+        if config.as_torchft:
+            # Said once, here, rather than by every rank as it fails to import torchft.
+            torchft_alias_dir(resolve(list(config.command)), os.environ)
     except ValueError as e:
         parser.error(str(e))
     if token is None and config.lighthouse:

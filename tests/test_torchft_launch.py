@@ -1,0 +1,251 @@
+"""`phalanx run --as-torchft` and `phalanx torchft-path`: a script written for torchft
+imports `torchft` and gets phalanx.torchft, in real rank processes."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import phalanx
+import phalanx._torchft_alias.torchft as alias
+from phalanx._torchft_alias.torchft import ALIAS_DIR
+from phalanx.torchft import SUBMODULES
+
+from conftest import TESTS, child_env
+
+TORCHFT_PACKAGE = Path(phalanx.__file__).parent / "torchft"
+
+#: A rank of a torchft script, reduced to what it sees: its environment and, with
+#: --import, what `import torchft` gives it.
+RANK = """
+import importlib.util
+import json
+import os
+import sys
+
+keys = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
+        "PHALANX_LIGHTHOUSE", "PHALANX_REPLICA_ID", "PYTHONPATH")
+facts = {k: os.environ.get(k) for k in keys}
+if "--import" in sys.argv:
+    import torchft
+    import phalanx.torchft
+
+    facts["name"] = torchft.__name__
+    facts["is_phalanx"] = torchft is phalanx.torchft
+    facts["submodules"] = list(torchft.SUBMODULES)
+    facts["same_module"] = {
+        name: sys.modules.get(f"torchft.{name}") is sys.modules.get(f"phalanx.torchft.{name}")
+        is not None
+        for name in torchft.SUBMODULES
+    }
+    if facts["same_module"].get("manager"):
+        from torchft.manager import Manager
+
+        facts["manager"] = [Manager.__module__, Manager is torchft.Manager]
+    if facts["same_module"].get("local_sgd"):
+        import torchft.local_sgd
+
+        facts["local_sgd"] = torchft.local_sgd.__name__
+else:
+    spec = importlib.util.find_spec("torchft")
+    facts["torchft_origin"] = spec.origin if spec else None
+print(json.dumps(facts), flush=True)
+"""
+
+
+def run_launcher(*args: str, env: dict[str, str] | None = None, timeout: float = 90.0):
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**child_env(), **(env or {})},
+        cwd=TESTS.parent,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def rank_facts(stdout: str) -> dict[str, dict]:
+    """Each rank's printed facts, by its output's prefix ("group0/0")."""
+    out = {}
+    for line in stdout.splitlines():
+        prefix, _, rest = line.partition(" ")
+        if prefix.startswith("[group") and rest.startswith("{"):
+            out[prefix.strip("[]")] = json.loads(rest)
+    return out
+
+
+@pytest.fixture
+def rank_script(tmp_path: Path) -> Path:
+    path = tmp_path / "rank.py"
+    path.write_text(RANK)
+    return path
+
+
+@pytest.fixture
+def fake_torchft(tmp_path: Path) -> Path:
+    """A folder holding a package named torchft, as a real install would."""
+    folder = tmp_path / "elsewhere"
+    (folder / "torchft").mkdir(parents=True)
+    (folder / "torchft" / "__init__.py").write_text("raise SystemExit('the fake torchft ran')\n")
+    return folder
+
+
+def test_every_rank_knows_its_group_index_and_the_group_count_without_the_flag(rank_script):
+    done = run_launcher("--replicas", "2", "--", str(rank_script))
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = rank_facts(done.stdout)
+    assert sorted(seen) == ["group0/0", "group1/0"]
+    for prefix, facts in seen.items():
+        assert facts["REPLICA_GROUP_ID"] == prefix[len("group")], facts
+        assert facts["NUM_REPLICA_GROUPS"] == "2"
+        # Only --as-torchft touches `import torchft` and TORCHFT_LIGHTHOUSE.
+        assert facts["TORCHFT_LIGHTHOUSE"] is None
+        origin = facts["torchft_origin"]
+        assert origin is None or not origin.startswith(ALIAS_DIR), origin
+
+
+# Forked ranks inherit the fork server's sys.path, fixed when it started: both ways.
+@pytest.mark.parametrize("fork_server", ["--fork-server", "--no-fork-server"])
+def test_as_torchft_makes_import_torchft_phalanx_torchft_in_every_rank(rank_script, fork_server):
+    done = run_launcher(
+        "--as-torchft", fork_server, "--replicas", "2", "--", str(rank_script), "--import"
+    )
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"`import torchft` in the ranks is phalanx.torchft ({ALIAS_DIR})" in done.stdout
+    seen = rank_facts(done.stdout)
+    assert sorted(seen) == ["group0/0", "group1/0"], done.stdout
+    for prefix, facts in seen.items():
+        assert facts["name"] == "phalanx.torchft"
+        assert facts["is_phalanx"] is True
+        assert facts["submodules"] == list(SUBMODULES)
+        assert facts["TORCHFT_LIGHTHOUSE"] == facts["PHALANX_LIGHTHOUSE"]
+        assert facts["TORCHFT_LIGHTHOUSE"].startswith("127.0.0.1:")
+        assert facts["PYTHONPATH"].split(":")[0] == ALIAS_DIR
+        assert facts["REPLICA_GROUP_ID"] == prefix[len("group")]
+        assert facts["NUM_REPLICA_GROUPS"] == "2"
+
+    # The submodules: the same objects under both names, once phalanx.torchft has them.
+    missing = [
+        name
+        for name in SUBMODULES
+        if not (TORCHFT_PACKAGE / f"{name}.py").exists()
+        and not (TORCHFT_PACKAGE / name / "__init__.py").exists()
+    ]
+    for facts in seen.values():
+        for name, same in facts["same_module"].items():
+            assert same is (name not in missing), (name, facts)
+        if "manager" not in missing:
+            assert facts["manager"] == ["phalanx.torchft.manager", True]
+        if "local_sgd" not in missing:
+            assert facts["local_sgd"] == "phalanx.torchft.local_sgd"
+    if missing:
+        pytest.skip(f"phalanx.torchft has no {', '.join(missing)} yet: not checked")
+
+
+def test_as_torchft_refuses_before_any_group_starts_when_a_real_torchft_is_importable(
+    rank_script, fake_torchft
+):
+    done = run_launcher(
+        "--as-torchft",
+        "--replicas",
+        "2",
+        "--",
+        str(rank_script),
+        "--import",
+        env={"PYTHONPATH": str(fake_torchft)},
+        timeout=30,
+    )
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"a real torchft can be imported from {fake_torchft / 'torchft'}" in done.stderr
+    assert f"phalanx's torchft alias ({ALIAS_DIR})" in done.stderr
+    assert "pip uninstall torchft torchft-nightly" in done.stderr
+    assert "drop --as-torchft" in done.stderr
+    assert "started" not in done.stdout and "lighthouse at" not in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def torchft_path() -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx", "torchft-path"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def python_with(pythonpath: str, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**child_env(), "PYTHONPATH": pythonpath},
+        cwd="/",
+    )
+
+
+def test_torchft_path_is_the_environment_switch_for_other_launchers():
+    path = torchft_path()
+    assert path == ALIAS_DIR
+    # Never on sys.path by itself: without the switch, `import torchft` is not ours.
+    assert all(Path(p).resolve() != Path(path).resolve() for p in sys.path if p)
+
+    done = python_with(
+        path,
+        "import sys, torchft, phalanx.torchft, torchft.data\n"
+        "assert torchft is phalanx.torchft\n"
+        "assert torchft.data is sys.modules['phalanx.torchft.data']\n"
+        "print(torchft.__name__)",
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "phalanx.torchft"
+
+
+def test_a_torchft_module_imported_again_is_still_phalanxs_own():
+    # What SUBMODULES does not register (a module dropped from sys.modules here; in
+    # real code, one deeper down) is found as the phalanx module itself, which keeps
+    # its own spec: no file of phalanx.torchft runs twice under two names.
+    done = python_with(
+        torchft_path(),
+        "import sys, torchft\n"
+        "del sys.modules['torchft.data']\n"
+        "import torchft.data as data\n"
+        "assert data is sys.modules['phalanx.torchft.data'], data\n"
+        "assert data.__spec__.name == 'phalanx.torchft.data', data.__spec__\n"
+        "try:\n"
+        "    import torchft.no_such_module\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name)\n",
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torchft.no_such_module"
+
+
+def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):
+    done = python_with(f"{torchft_path()}:{fake_torchft}", "import torchft")
+
+    assert done.returncode == 1
+    assert "the fake torchft ran" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: a real torchft can be imported from "), last
+    assert str(fake_torchft / "torchft") in last and ALIAS_DIR in last
+    assert "pip uninstall torchft torchft-nightly" in last
+
+
+def test_the_alias_docstring_examples():
+    result = doctest.testmod(alias, optionflags=doctest.ELLIPSIS, report=True)
+    assert result.attempted > 0 and result.failed == 0
