@@ -220,19 +220,23 @@ def test_a_torchft_module_imported_again_is_still_phalanxs_own():
     # its own spec: no file of phalanx.torchft runs twice under two names.
     done = python_with(
         torchft_path(),
-        "import sys, torchft\n"
+        "import importlib, sys, torchft\n"
         "del sys.modules['torchft.data']\n"
         "import torchft.data as data\n"
         "assert data is sys.modules['phalanx.torchft.data'], data\n"
         "assert data.__spec__.name == 'phalanx.torchft.data', data.__spec__\n"
-        "try:\n"
-        "    import torchft.no_such_module\n"
-        "except ModuleNotFoundError as e:\n"
-        "    print(e.name)\n",
+        "for name in ('no_such_module', 'coordination'):\n"
+        "    try:\n"
+        "        importlib.import_module(f'torchft.{name}')\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        print(e.name, '|', e)\n",
     )
 
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "torchft.no_such_module"
+    missing, torchft_only = done.stdout.strip().splitlines()
+    assert missing.startswith("torchft.no_such_module |")
+    assert torchft_only.startswith("torchft.coordination |")
+    assert "use phalanx's own lighthouse and manager bindings" in torchft_only
 
 
 def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):

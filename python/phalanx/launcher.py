@@ -710,9 +710,8 @@ class Launcher:
         self.say(f"ranks: {why}")
         if forked:
             # The server's interpreter fixes the sys.path of every rank it forks when
-            # it starts: it starts with the ranks' PYTHONPATH.
-            with _environ_of(self.rank_environ, "PYTHONPATH"):
-                self.fork_server = ForkServer()
+            # it starts: it starts with the ranks' environment.
+            self.fork_server = ForkServer(self.rank_environ)
             self._listen(self.fork_server.process.stdout, _Output(None, 0))
         for group in self.groups:
             self.start_group(group)
@@ -765,21 +764,6 @@ class Launcher:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.say(f"{signal.Signals(signum).name}: stopping every group")
         self.stopping = True
-
-
-@contextlib.contextmanager
-def _environ_of(environ: Mapping[str, str], name: str):
-    """This process's environment variable `name` as in `environ`, for the block."""
-    before = os.environ.get(name)
-    if name in environ:
-        os.environ[name] = environ[name]
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import BinaryIO
 
 from phalanx.forkserver.wire import FD_VARIABLE, MESSAGE_BYTES, die_with_parent
@@ -52,10 +53,13 @@ class ForkedRank:
 class ForkServer:
     """Starts the server process (it imports in the background) and asks it for ranks."""
 
-    def __init__(self, start_timeout: float = 120.0):
+    def __init__(self, environ: Mapping[str, str] | None = None, start_timeout: float = 120.0):
+        """`environ` (default: this process's) is the server's environment, whose
+        PYTHONPATH makes the `sys.path` of every rank it forks."""
         self.start_timeout = start_timeout
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, FD_VARIABLE: str(theirs.fileno()), "PYTHONUNBUFFERED": "1"}
+        base = os.environ if environ is None else environ
+        env = {**base, FD_VARIABLE: str(theirs.fileno()), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "phalanx.forkserver.server"],
             env=env,

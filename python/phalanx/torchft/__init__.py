@@ -35,7 +35,7 @@ _NAMES = {
 }
 
 #: torchft names phalanx does not provide, and what to use instead.
-_INSTEAD = {
+INSTEAD = {
     "coordination": (
         "phalanx's own lighthouse and manager bindings: phalanx.LighthouseServer, "
         "phalanx.LighthouseClient, phalanx.ManagerServer, phalanx.ManagerClient"
@@ -59,9 +59,9 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), attribute)
     if name in SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _INSTEAD:
+    if name in INSTEAD:
         raise AttributeError(
-            f"phalanx.torchft has no {name!r} (torchft.{name}); use {_INSTEAD[name]}"
+            f"phalanx.torchft has no {name!r} (torchft.{name}); use {INSTEAD[name]}"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

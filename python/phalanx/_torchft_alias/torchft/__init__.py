@@ -76,6 +76,11 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if not fullname.startswith("torchft."):
             return None
         if importlib.util.find_spec(f"phalanx.{fullname}") is None:
+            instead = sys.modules["torchft"].INSTEAD.get(fullname.split(".")[1])
+            if instead is not None:
+                raise ModuleNotFoundError(
+                    f"phalanx.torchft has no {fullname}; use {instead}", name=fullname
+                )
             return None  # ModuleNotFoundError, naming torchft.X
         return importlib.util.spec_from_loader(fullname, self)
 
