@@ -16,7 +16,7 @@ import phalanx._torchft_alias.torchft as alias
 from phalanx._torchft_alias.torchft import ALIAS_DIR
 from phalanx.torchft import SUBMODULES
 
-from conftest import TESTS, child_env
+from conftest import TESTS, child_env, free_port
 
 TORCHFT_PACKAGE = Path(phalanx.__file__).parent / "torchft"
 
@@ -253,3 +253,71 @@ def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):
 def test_the_alias_docstring_examples():
     result = doctest.testmod(alias, optionflags=doctest.ELLIPSIS, report=True)
     assert result.attempted > 0 and result.failed == 0
+
+
+#: A replica group's rank under torchrun: torchft's way of starting a group. Rank 1 of
+#: torchrun's first incarnation dies after a commit, so torchrun restarts both ranks.
+TORCHRUN_RANK = """
+import json, os, sys
+from datetime import timedelta
+
+import torch
+import torchft
+
+incarnation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+manager = torchft.Manager(
+    pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=10)),
+    load_state_dict=None, state_dict=None, min_replica_size=1, replica_id="tr",
+)
+for _ in range(3):
+    manager.start_quorum()
+    manager.allreduce(torch.ones(1)).wait()
+    committed = manager.should_commit()
+    line = {"rank": os.environ["RANK"], "incarnation": incarnation,
+            "step": manager.current_step(), "committed": committed}
+    with open(sys.argv[1], "a") as log:  # one line per write: the ranks share the file
+        log.write(json.dumps(line) + "\\n")
+    if incarnation == 0 and os.environ["RANK"] == "1":
+        os._exit(1)
+manager.shutdown()
+"""
+
+
+def test_a_torchft_script_runs_under_torchrun_and_its_restart(tmp_path, lighthouse):
+    # torchrun's agent keeps its own store on MASTER_PORT: rank 0 serves the group's
+    # manager on a port of its own and leaves the address there for the other ranks,
+    # under a key of torchrun's incarnation, so the restarted ranks meet the new rank 0.
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_RANK)
+    steps = tmp_path / "steps.jsonl"
+    env = {
+        **child_env(),
+        "PYTHONPATH": f"{torchft_path()}:{child_env().get('PYTHONPATH', '')}",
+        "TORCHFT_LIGHTHOUSE": lighthouse.address,
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]
+    again = [line for line in lines if line["incarnation"] == 1]
+    assert {line["rank"] for line in again} == {"0", "1"}, lines
+    assert all(line["committed"] for line in again), lines

@@ -41,7 +41,10 @@ class RankServices:
             server = _manager_server(settings) if settings.group_rank == 0 else None
             if server is not None:
                 undo.callback(server.shutdown)
-            address = settings.manager_address if server is None else server.address
+            if settings.launcher_store_key is not None:
+                address = _meet_through_launcher(settings, server)
+            else:
+                address = settings.manager_address if server is None else server.address
             store = Store(address, token=settings.token, timeout=settings.timeouts.quorum)
             if server is None:
                 _check_manager(settings, store, address)
@@ -81,7 +84,8 @@ def _manager_server(s: ManagerSettings) -> _core.ManagerServer:
         s.replica_id,
         s.lighthouse,
         world_size=s.group_world_size,
-        bind=s.manager_address,
+        # Under torchrun its own store holds MASTER_PORT: a free port, met through it.
+        bind=host_port(s.store_addr, 0) if s.launcher_store_key else s.manager_address,
         # The other groups reach it at the advertised host.
         also_bind=s.host if s.host != s.store_addr else None,
         advertise_host=s.host,
@@ -89,6 +93,25 @@ def _manager_server(s: ManagerSettings) -> _core.ManagerServer:
         init_sync=s.init_sync,
         token=s.token,
     )
+
+
+def _meet_through_launcher(s: ManagerSettings, server: _core.ManagerServer | None) -> str:
+    """The manager's address, met in torchrun's store: rank 0 leaves it there, the
+    others wait for it (up to the quorum timeout)."""
+    assert s.launcher_store_key is not None
+    timeout = timedelta(seconds=s.timeouts.quorum)
+    try:
+        store = dist.TCPStore(s.store_addr, s.store_port, is_master=False, timeout=timeout)
+        if server is not None:
+            store.set(s.launcher_store_key, server.address)
+            return server.address
+        return store.get(s.launcher_store_key).decode()
+    except (dist.DistError, RuntimeError) as e:
+        raise TimeoutError(
+            f"rank {s.group_rank} of replica group {s.replica_id!r} could not meet its rank "
+            f"0 through torchrun's store at {host_port(s.store_addr, s.store_port)} within "
+            f"{s.timeouts.quorum:g} s ({e}): start every rank of the group with one torchrun"
+        ) from e
 
 
 def _check_manager(s: ManagerSettings, store: Store, address: str) -> None:

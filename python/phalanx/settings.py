@@ -146,6 +146,9 @@ class ManagerSettings:
     device: torch.device = torch.device("cpu")
     init_sync: bool = True
     heartbeat_interval: float = 0.1
+    #: Under torchrun, MASTER_ADDR:MASTER_PORT is torchrun's own store: rank 0 then
+    #: serves on a free port and leaves its address there under this key.
+    launcher_store_key: str | None = None
 
     @property
     def backend(self) -> str:
@@ -221,6 +224,7 @@ class ManagerSettings:
             token=resolve_token(given.pop("token", None), None, env.environ),
             advertise_host=given.pop("advertise_host", None) or env.get("PHALANX_ADVERTISE_HOST"),
             device=env.device(given.pop("device", None)),
+            launcher_store_key=env.launcher_store_key(),
             **given,
         )
         settings.validate()
@@ -242,7 +246,7 @@ class ManagerSettings:
                 f"group rank {self.group_rank} is outside a group of {self.group_world_size} "
                 "ranks; check RANK and WORLD_SIZE"
             )
-        if self.group_world_size > 1 and self.store_port == 0:
+        if (self.group_world_size > 1 or self.launcher_store_key) and self.store_port == 0:
             raise ValueError(
                 "a group of several ranks needs MASTER_PORT (or store_port=) for its store"
             )
@@ -271,6 +275,15 @@ class _Environment:
             raise ValueError(
                 f"{name}={text!r} is not a number of seconds; set it to e.g. {example}"
             ) from None
+
+    def launcher_store_key(self) -> str | None:
+        """Under torchrun (its workers share its agent's store at MASTER_PORT), where
+        rank 0 leaves its address: a key of this incarnation of the group's ranks, so
+        that a restarted rank never meets its group's former rank 0."""
+        if self.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return None
+        run = self.get("TORCHELASTIC_RUN_ID", "")
+        return f"phalanx/{run}/manager/{self.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def device(self, given: torch.device | str | None) -> torch.device:
         text = given if given is not None else self.get("PHALANX_DEVICE")
