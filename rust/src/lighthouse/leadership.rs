@@ -3,7 +3,7 @@
 //!
 //! Pure: every call takes `now`, messages go in and out as values, so the property
 //! test (`rust/tests/leadership_properties.rs`) drives a whole set through ticks,
-//! partitions and crashes on a fake clock. `raft_service.rs` does the I/O.
+//! partitions and crashes on a fake clock. `set.rs` does the I/O.
 //!
 //! Why the lease makes "never two serving at once" hold (written out for operators
 //! in docs/lighthouse-set.md):
