@@ -706,3 +706,30 @@ def test_a_sighting_reads_the_group_and_its_quorum_peers_from_a_status():
     assert Sighting.of(status, "g1") == Sighting("h1:1", True, 41, peers_step=0)
     assert Sighting.of(status, "g2") is None, "a member the lighthouse lost"
     assert Sighting.of(status, "g3") == Sighting("h3:1", False, 90, peers_step=41)
+
+
+def test_chaos_kills_no_group_once_one_has_finished():
+    # A job that is ending: the group still running may be the last one holding the
+    # state, and killing it would start the job over at step 0 (a new lineage).
+    config = LaunchConfig(
+        command=(sys.executable, "-c", "pass"),
+        replicas=2,
+        fork_server=False,
+        chaos=Chaos(kill_every=1.0),
+    )
+    launcher = Launcher(config, "t0k3n", observer=Recorder())
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        finished, running = launcher.groups
+        running.procs = [sleeper]
+        finished.done = True
+        launcher.inject(0.0)
+        launcher.inject(2.0)
+        assert sleeper.poll() is None and not running.chaos_killed
+
+        finished.done = False  # the same launcher, with both groups still training
+        launcher.inject(4.0)
+        assert sleeper.wait(10) == -signal.SIGKILL and running.chaos_killed
+    finally:
+        sleeper.kill()
+        sleeper.wait()

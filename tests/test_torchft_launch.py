@@ -235,7 +235,7 @@ def test_a_torchft_module_imported_again_is_still_phalanxs_own():
     assert done.returncode == 0, done.stderr
     missing, torchft_only = done.stdout.strip().splitlines()
     assert missing.startswith("torchft.no_such_module |")
-    assert torchft_only.startswith("torchft.coordination |")
+    assert torchft_only.startswith("None | phalanx.torchft has no 'coordination'")
     assert "use phalanx's own lighthouse and manager bindings" in torchft_only
 
 

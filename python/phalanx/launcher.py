@@ -620,6 +620,10 @@ class Launcher:
             self.next_hang = now + (self.chaos.hang_every or 0)
             self.next_thread_hang = now + (self.chaos.hang_thread_every or 0)
         live = [g for g in self.groups if g.alive and g.stopped_until is None]
+        if any(g.done for g in self.groups):
+            # The job is ending: a group that is still running may be the last one
+            # holding its state, and killing it would start the job over.
+            live = []
         if self.chaos.kill_every and now >= self.next_kill:
             self.next_kill = now + self.chaos.kill_every
             if live:

@@ -16,6 +16,8 @@ not provide raises AttributeError naming the closest phalanx feature.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
 from typing import Any
 
 #: The submodules torchft code imports by name (`from torchft.local_sgd import DiLoCo`).
@@ -52,6 +54,29 @@ INSTEAD = {
 }
 
 
+class _Instead(importlib.abc.MetaPathFinder):
+    """`from phalanx.torchft import coordination` (and `import torchft.coordination`
+    through the alias) says what to use instead: the import system would otherwise
+    turn the missing name into a bare "cannot import name". Last on the meta path, so
+    it speaks only for a module no finder has."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> None:
+        package, _, name = fullname.rpartition(".")
+        if package == __name__ and name in INSTEAD:
+            # Without the module's name: `from … import` passes over a
+            # ModuleNotFoundError that names the module it imports.
+            raise ModuleNotFoundError(_instead(name))
+        return None
+
+
+def _instead(name: str) -> str:
+    return f"phalanx.torchft has no {name!r} (torchft.{name}); use {INSTEAD[name]}"
+
+
+if not any(isinstance(finder, _Instead) for finder in sys.meta_path):
+    sys.meta_path.append(_Instead())
+
+
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         # torchft's top-level Optimizer is its optim.OptimizerWrapper.
@@ -60,9 +85,7 @@ def __getattr__(name: str) -> Any:
     if name in SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in INSTEAD:
-        raise AttributeError(
-            f"phalanx.torchft has no {name!r} (torchft.{name}); use {INSTEAD[name]}"
-        )
+        raise AttributeError(_instead(name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

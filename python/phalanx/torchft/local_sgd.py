@@ -60,8 +60,13 @@ class _Synced:
 
     @property
     def inner_step(self) -> int:
-        """The job's inner step, the same on every live group."""
+        """The job's inner step, the same on every live group (phalanx's own)."""
         return self._inner.inner_step
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters every group agrees on after the last committed sync, by
+        name (phalanx's own): evaluate or save these rather than the local model."""
+        return self._inner.global_parameters()
 
 
 class LocalSGD(_Synced):

@@ -265,6 +265,13 @@ class Manager:
         `register_state_dict_fn`)."""
         self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
 
+    def allow_state_dict_read(self) -> None:
+        """Accepted: phalanx serves the state to healing peers only between the
+        quorum and the vote, never while the optimizer steps, so reads need no gate."""
+
+    def disallow_state_dict_read(self) -> None:
+        """Accepted (see `allow_state_dict_read`)."""
+
     def _own_state(self) -> dict[str, int]:
         return {"batches_committed": self._batches_committed}
 

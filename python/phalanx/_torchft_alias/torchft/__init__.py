@@ -75,13 +75,10 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith("torchft."):
             return None
+        # A torchft module phalanx lacks: phalanx.torchft's own finder says what to
+        # use instead; any other is a ModuleNotFoundError naming torchft.X.
         if importlib.util.find_spec(f"phalanx.{fullname}") is None:
-            instead = sys.modules["torchft"].INSTEAD.get(fullname.split(".")[1])
-            if instead is not None:
-                raise ModuleNotFoundError(
-                    f"phalanx.torchft has no {fullname}; use {instead}", name=fullname
-                )
-            return None  # ModuleNotFoundError, naming torchft.X
+            return None
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
