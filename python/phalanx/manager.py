@@ -42,8 +42,10 @@ class Manager:
     Settings come from the arguments, else from the environment (`PHALANX_*`, `RANK`,
     `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; see `ManagerSettings.from_env`, or
     pass `settings=` made by it). Rank 0 serves the group's manager server and
-    rendezvous store at MASTER_ADDR:MASTER_PORT, behind the job token. `device`
-    (default cpu) is where the collectives' tensors live: NCCL for CUDA, gloo for CPU.
+    rendezvous store at MASTER_ADDR:MASTER_PORT (under torchrun, whose own store is
+    there: on a free port, met through torchrun's store), behind the job token. `device`
+    (default: the rank's GPU, `cuda:LOCAL_RANK`, where CUDA is available, else cpu) is
+    where the collectives' tensors live: NCCL for CUDA, gloo for CPU.
 
     >>> import phalanx
     >>> with phalanx.LighthouseServer(join_timeout=0.01) as lighthouse, Manager(
