@@ -59,6 +59,13 @@ def test_the_device_chooses_the_backend_once(monkeypatch):
         ({**JOB, "PHALANX_LIGHTHOUSE_TIMEOUT": "5m"}, {}, "PHALANX_LIGHTHOUSE_TIMEOUT='5m' is"),
         (JOB, {"timeout": 30.0, "collective_timeout": 60.0}, "shorter than the collective"),
         (JOB, {"lighthouse_timeout": 10.0}, "lighthouse timeout \\(10.0 s\\) is shorter"),
+        # Rank 1 reads it too (its progress reporter beats at it): a negative one spun.
+        (
+            {**JOB, "RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1"},
+            {"heartbeat_interval": -1},
+            "heartbeat_interval=-1: the seconds between",
+        ),
+        (JOB, {"heartbeat_interval": float("nan")}, "heartbeat_interval=nan"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_naming_the_fix(env, given, message):

@@ -250,6 +250,15 @@ class ManagerSettings:
             raise ValueError(
                 "a group of several ranks needs MASTER_PORT (or store_port=) for its store"
             )
+        # Every rank reads it (its progress reporter beats at it), not only rank 0,
+        # whose manager server would refuse it: check it here, for all.
+        interval = self.heartbeat_interval
+        if not isinstance(interval, int | float) or not 0 < interval < float("inf"):
+            raise ValueError(
+                f"heartbeat_interval={interval!r}: the seconds between a group's "
+                "heartbeats, a positive number well below the lighthouse's heartbeat "
+                "timeout (default 0.1)"
+            )
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(
                 f"device {self.device} is not supported: phalanx reduces over gloo (cpu) "
