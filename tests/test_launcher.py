@@ -17,15 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import phalanx
-from phalanx.launcher import (
-    Chaos,
-    LaunchConfig,
-    Launcher,
-    LaunchObserver,
-    build_parser,
-    rank_mode,
-    resolve,
-)
+from phalanx.launcher.chaos import Chaos
+from phalanx.launcher.config import LaunchConfig, build_parser
+from phalanx.launcher.observer import LaunchObserver
+from phalanx.launcher.ranks import rank_mode, resolve
+from phalanx.launcher.supervisor import Launcher
 from phalanx.restarts import MAX_BACKOFF, CommitWatch, Exit, RestartCount, Sighting
 
 from conftest import PROCS, TESTS, child_env, http_get, write_token_file

@@ -1,0 +1,131 @@
+"""--chaos: the failures `phalanx run` injects on purpose, and when and where they
+fall (`Injector`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+from dataclasses import dataclass
+
+from phalanx import _core, watchdog
+from phalanx.launcher.group import Group
+from phalanx.launcher.observer import LaunchObserver
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """Failures injected on purpose: SIGKILL a random live group every `kill_every`
+    seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later;
+    every `hang_thread_every` seconds, block the training thread of one rank of a
+    random group for `hang_for` while its process lives on (see `phalanx.watchdog`)."""
+
+    kill_every: float | None = None
+    hang_every: float | None = None
+    hang_for: float = 5.0
+    hang_thread_every: float | None = None
+    #: How long a thread hang lasts, if not `hang_for` (which a SIGSTOP also uses).
+    hang_thread_for: float | None = None
+
+    @property
+    def thread_hang_s(self) -> float:
+        return self.hang_thread_for if self.hang_thread_for is not None else self.hang_for
+
+    @classmethod
+    def parse(cls, specs: list[str]) -> Chaos:
+        """
+        >>> chaos = Chaos.parse(["kill-every=15s", "hang-every=1m,hang-for=3s"])
+        >>> chaos.kill_every, chaos.hang_every, chaos.hang_for, chaos.hang_thread_every
+        (15.0, 60.0, 3.0, None)
+        >>> Chaos.parse(["hang-thread-every=30s,hang-for=60s"]).hang_thread_every
+        30.0
+        """
+        given: dict[str, float] = {}
+        for spec in specs:
+            for item in spec.split(","):
+                key, sep, value = item.partition("=")
+                name = key.strip().replace("-", "_")
+                if not sep or name not in (
+                    "kill_every",
+                    "hang_every",
+                    "hang_for",
+                    "hang_thread_every",
+                    "hang_thread_for",
+                ):
+                    raise ValueError(
+                        f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION, "
+                        "hang-thread-every=DURATION, hang-for=DURATION or "
+                        "hang-thread-for=DURATION"
+                    )
+                given[name] = _core.parse_duration(value)
+        return cls(**given)
+
+
+class Injector:
+    """Where and when the failures of `chaos` fall: on live groups drawn at random
+    from `seed`, each kind on its own clock."""
+
+    def __init__(self, chaos: Chaos, seed: int, observer: LaunchObserver):
+        self.chaos = chaos
+        self.rng = random.Random(seed)
+        self.observer = observer
+        self.next_kill: float | None = None
+        self.next_hang: float | None = None
+        self.next_thread_hang: float | None = None
+
+    def inject(self, now: float, groups: list[Group]) -> None:
+        """Injects into `groups` the failures that are due; the clocks start at the
+        first call, which the launcher makes once the job trains."""
+        if self.next_kill is None:
+            self.next_kill = now + (self.chaos.kill_every or 0)
+            self.next_hang = now + (self.chaos.hang_every or 0)
+            self.next_thread_hang = now + (self.chaos.hang_thread_every or 0)
+        live = [g for g in groups if g.alive and g.stopped_until is None]
+        if any(g.done for g in groups):
+            # The job is ending: a group that is still running may be the last one
+            # holding its state, and killing it would start the job over.
+            live = []
+        if self.chaos.kill_every and now >= self.next_kill:
+            self.next_kill = now + self.chaos.kill_every
+            if live:
+                victim = self.rng.choice(live)
+                self.observer.say(f"chaos: SIGKILL {victim.replica_id}")
+                victim.chaos_killed = True
+                victim.signal(signal.SIGKILL)
+                self.observer.group_event("kill", victim)
+        if self.chaos.hang_every and now >= self.next_hang:
+            self.next_hang = now + self.chaos.hang_every
+            if live:
+                victim = self.rng.choice(live)
+                victim.stopped_until = now + self.chaos.hang_for
+                self.observer.say(
+                    f"chaos: SIGSTOP {victim.replica_id} for {self.chaos.hang_for:g} s"
+                )
+                victim.signal(signal.SIGSTOP)
+                self.observer.group_event("hang", victim)
+        # One blocked group at a time: groups that all hang wait on nobody, and none
+        # is evicted (that is a stall of the whole job, not of a group).
+        blocked = any(
+            g.chaos_thread_hung_until is not None and now < g.chaos_thread_hung_until
+            for g in groups
+        )
+        if self.chaos.hang_thread_every and now >= (self.next_thread_hang or 0):
+            self.next_thread_hang = now + self.chaos.hang_thread_every
+            if live and not blocked:
+                victim = self.rng.choice(live)
+                rank = self.rng.randrange(len(victim.procs))
+                self.observer.say(
+                    f"chaos: blocking the training thread of {victim.replica_id}/{rank} for "
+                    f"{self.chaos.thread_hang_s:g} s"
+                )
+                victim.chaos_thread_hung_until = now + self.chaos.thread_hang_s
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim.procs[rank].pid, watchdog.CHAOS_SIGNAL)
+                self.observer.group_event("hang-thread", victim)
+        for group in groups:
+            if group.stopped_until is not None and now >= group.stopped_until:
+                group.stopped_until = None
+                self.observer.say(f"chaos: SIGCONT {group.replica_id}")
+                group.signal(signal.SIGCONT)
+                self.observer.group_event("resume", group)

@@ -1,0 +1,291 @@
+"""What `phalanx run` is asked to do: its command line (`build_parser`) and the
+checked configuration it gives (`LaunchConfig`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from phalanx import _core
+from phalanx.launcher.chaos import Chaos
+from phalanx.restarts import MAX_BACKOFF
+from phalanx.token import new_token, resolve_token
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "15s", "500ms", "2m" or a plain number, read as the lighthouse's
+    command line reads them.
+
+    >>> parse_duration("15s"), parse_duration("500ms"), parse_duration("2m"), parse_duration("3")
+    (15.0, 0.5, 120.0, 3.0)
+    """
+    return _core.parse_duration(text)
+
+
+def job_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str:
+    """The job's token: the one given (--token, --token-file, PHALANX_TOKEN,
+    PHALANX_TOKEN_FILE), else a new random one, so that no job runs open. ValueError
+    (what to fix) for a token given wrong.
+
+    >>> job_token(None, None, {"PHALANX_TOKEN": "given"})
+    'given'
+    >>> len(job_token(None, None, {})) >= 43
+    True
+    """
+    return resolve_token(token, token_file, environ) or new_token()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What `phalanx run` is asked to do, checked: the command line's options, typed.
+
+    >>> config = LaunchConfig(command=("python", "train.py"), replicas=2)
+    >>> config.replica_ids(), config.chaos.kill_every
+    (['group0', 'group1'], None)
+    >>> LaunchConfig(command=("train.sh",), replicas=1, replica_id="host7").replica_ids()
+    ['host7']
+    >>> LaunchConfig(command=())
+    Traceback (most recent call last):
+    ...
+    ValueError: give the training command after --, e.g. -- train.py --lr 0.1
+    >>> LaunchConfig(command=("train.sh",), max_restarts=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: --max-restarts -1: give 0 or more, the failures in a row (without a ...
+    """
+
+    #: The training command each rank runs.
+    command: tuple[str, ...]
+    replicas: int = 1
+    nproc_per_replica: int = 1
+    #: The lighthouse of a job that spans hosts; None: serve one here.
+    lighthouse: str | None = None
+    #: Where the lighthouse served here listens, and its options.
+    lighthouse_bind: str = "127.0.0.1:0"
+    min_replicas: int = 1
+    join_timeout: float = 1.0
+    heartbeat_timeout: float = 2.0
+    rollback_after: float = _core.LIGHTHOUSE_DEFAULTS["rollback_after"]
+    #: The group's id; with several replicas, the prefix of their ids.
+    replica_id: str | None = None
+    #: Failures in a row (without a committed step in between) a group is restarted
+    #: after; evictions as stalled are counted apart, against as many (`RestartCount`).
+    max_restarts: int = 10
+    restart_backoff: float = 0.5
+    #: MASTER_ADDR of the ranks: where each group's rank 0 listens.
+    master_addr: str = "127.0.0.1"
+    chaos: Chaos = field(default_factory=Chaos)
+    chaos_seed: int = 0
+    fork_server: bool = True
+    #: `import torchft` in the ranks is `phalanx.torchft` (`torchft_alias_dir`).
+    as_torchft: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("give the training command after --, e.g. -- train.py --lr 0.1")
+        if self.replicas < 1 or self.nproc_per_replica < 1:
+            raise ValueError("--replicas and --nproc-per-replica must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"--max-restarts {self.max_restarts}: give 0 or more, the failures in a row "
+                "(without a committed step) after which a group is given up on; 0: never "
+                "restart a failed group"
+            )
+        if self.restart_backoff < 0:
+            raise ValueError(f"--restart-backoff {self.restart_backoff:g}: give 0 or more seconds")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, command: list[str]) -> LaunchConfig:
+        """The config of parsed `phalanx run` options; ValueError for a bad one."""
+        if command and command[0].endswith(".py"):
+            command = [sys.executable, *command]
+        return cls(
+            command=tuple(command),
+            replicas=args.replicas,
+            nproc_per_replica=args.nproc_per_replica,
+            lighthouse=args.lighthouse,
+            lighthouse_bind=args.lighthouse_bind,
+            min_replicas=args.min_replicas,
+            join_timeout=args.join_timeout,
+            heartbeat_timeout=args.heartbeat_timeout,
+            rollback_after=args.rollback_after,
+            replica_id=args.replica_id,
+            max_restarts=args.max_restarts,
+            restart_backoff=args.restart_backoff,
+            master_addr=args.master_addr,
+            chaos=Chaos.parse(args.chaos),
+            chaos_seed=args.chaos_seed,
+            fork_server=args.fork_server,
+            as_torchft=args.as_torchft,
+        )
+
+    def replica_ids(self) -> list[str]:
+        if self.replicas == 1 and self.replica_id:
+            return [self.replica_id]
+        prefix = self.replica_id or "group"
+        return [f"{prefix}{i}" for i in range(self.replicas)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx run",
+        description="Run a fault-tolerant training job: N replica groups of W ranks each.",
+        usage="phalanx run [options] -- COMMAND [ARGS...]",
+    )
+    _add_group_options(parser)
+    _add_lighthouse_options(parser)
+    _add_access_options(parser)
+    _add_rank_options(parser)
+    return parser
+
+
+def _add_group_options(parser: argparse.ArgumentParser) -> None:
+    """The groups: how many, how big, their ids, their restarts."""
+    parser.add_argument(
+        "--replicas", type=int, default=1, metavar="N", help="replica groups to start (default: 1)"
+    )
+    parser.add_argument(
+        "--nproc-per-replica",
+        type=int,
+        default=1,
+        metavar="W",
+        help="ranks per group, e.g. one per GPU of the host; each gets LOCAL_RANK (default: 1)",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        metavar="HOST:PORT",
+        help="join the lighthouse of a job that spans hosts, or a set of them as "
+        "HOST:PORT,HOST:PORT,HOST:PORT (default: serve one here)",
+    )
+    parser.add_argument(
+        "--lighthouse-bind",
+        metavar="HOST:PORT",
+        default="127.0.0.1:0",
+        help="where the lighthouse served here listens (default: 127.0.0.1, any free port)",
+    )
+    parser.add_argument(
+        "--replica-id",
+        metavar="ID",
+        help="the group's id, unique in the job; with --replicas N, the prefix of the "
+        "N ids (default: group, giving group0, group1, …)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10,
+        metavar="K",
+        help="failures of one group in a row (without a committed step in between) that "
+        "it is restarted after; evictions as stalled are counted apart, against as many; "
+        "then the launcher gives up on it (default: 10)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="wait before a group's first restart, doubled on each next in a row, up to "
+        f"{MAX_BACKOFF:g} s (default: 0.5)",
+    )
+
+
+def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
+    """The lighthouse served here when no --lighthouse is given."""
+    defaults = _core.LIGHTHOUSE_DEFAULTS
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=defaults["min_replicas"],
+        metavar="N",
+        help="fewest groups a step may run with (lighthouse served here; default: "
+        f"{defaults['min_replicas']})",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=parse_duration,
+        default=defaults["join_timeout"],
+        metavar="DURATION",
+        help="how long a quorum waits for a late live group (lighthouse served here; default: "
+        f"{defaults['join_timeout']:g}s)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=parse_duration,
+        default=defaults["heartbeat_timeout"],
+        metavar="DURATION",
+        help="silence after which a group is declared dead (lighthouse served here; default: "
+        f"{defaults['heartbeat_timeout']:g}s)",
+    )
+    parser.add_argument(
+        "--rollback-after",
+        type=parse_duration,
+        default=defaults["rollback_after"],
+        metavar="DURATION",
+        help="how long the job waits for a group holding its newest state to come back before "
+        "it goes on from an older one, as a new lineage (lighthouse served here; default: "
+        f"{defaults['rollback_after']:g}s)",
+    )
+
+
+def _add_access_options(parser: argparse.ArgumentParser) -> None:
+    """Who may reach the job (its token) and where its groups listen."""
+    parser.add_argument(
+        "--token",
+        help="the job token (default: PHALANX_TOKEN, else a new random one); other "
+        "users of this host can see it in the process list: prefer --token-file",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="read the job token from FILE, readable by its owner only (default: "
+        "PHALANX_TOKEN_FILE); `phalanx token FILE` writes one",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --lighthouse and no token: run this launcher's groups without one, open "
+        "to anyone who can reach them (default: off)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address this host's groups' rank 0 listens on for its manager server and "
+        "rendezvous store: MASTER_ADDR of the ranks (default: 127.0.0.1)",
+    )
+
+
+def _add_rank_options(parser: argparse.ArgumentParser) -> None:
+    """How ranks start, and the failures injected on purpose."""
+    parser.add_argument(
+        "--chaos",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject failures on purpose, e.g. kill-every=15s (SIGKILL a random group), "
+        "hang-every=30s,hang-for=5s (SIGSTOP one), hang-thread-every=30s,hang-for=60s "
+        "(block one rank's training thread while its process lives: its group is "
+        "evicted as stalled and restarted); repeatable (default: none)",
+    )
+    parser.add_argument(
+        "--chaos-seed",
+        type=int,
+        default=0,
+        metavar="SEED",
+        help="seed of the chaos' choices (default: 0)",
+    )
+    parser.add_argument(
+        "--fork-server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fork Python ranks from one interpreter that imported torch once, so a "
+        "restarted rank starts at once (default: on, for python scripts and modules)",
+    )
+    parser.add_argument(
+        "--as-torchft",
+        action="store_true",
+        help="run a script written for torchft unchanged: `import torchft` in the ranks is "
+        "phalanx.torchft, and TORCHFT_LIGHTHOUSE is the lighthouse's address; refused if "
+        "a real torchft is installed (default: off)",
+    )

@@ -1,0 +1,48 @@
+"""One replica group as `phalanx run` sees it: its ranks, and its restart history."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections import Counter
+from dataclasses import dataclass, field
+
+from phalanx.restarts import CommitWatch, Exit, RestartCount
+
+
+@dataclass
+class Group:
+    """One replica group: its id, its rank processes, and its restart history."""
+
+    replica_id: str
+    #: Its place among the launcher's groups: REPLICA_GROUP_ID of its ranks.
+    index: int = 0
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    #: Its failures since it last committed a step, which --max-restarts bounds.
+    count: RestartCount = field(default_factory=RestartCount)
+    #: Whether it committed a step in this life.
+    watch: CommitWatch = field(default_factory=CommitWatch)
+    #: Its exits so far, by cause, and the restarts that followed them.
+    exits: Counter[Exit] = field(default_factory=Counter)
+    restarts: int = 0
+    restart_at: float | None = None
+    done: bool = False
+    given_up: bool = False
+    stopped_until: float | None = None
+    #: Killed by --chaos: its restart does not count against --max-restarts.
+    chaos_killed: bool = False
+    #: Until when a training thread of it is blocked by --chaos: its exit as stalled
+    #: meanwhile does not count against --max-restarts either.
+    chaos_thread_hung_until: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def signal(self, signum: int) -> None:
+        """Sends `signum` to each of its ranks still running."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)

@@ -1,0 +1,73 @@
+"""How a rank of `phalanx run` starts: its program found as the shell would, whether
+the fork server can fork it, the `sys.path` it would see, and the folder that makes
+its `import torchft` phalanx's (--as-torchft)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+
+from phalanx._torchft_alias.torchft import ALIAS_DIR, real_torchft, refusal
+from phalanx.forkserver import runnable
+
+
+def resolve(command: list[str]) -> list[str]:
+    """`command` with its program where PATH finds it, as the shell would, so that
+    `python -m train` can be recognised as this interpreter's (see `rank_mode`).
+
+    >>> resolve(["sh", "-c", "true"])[0] == shutil.which("sh")
+    True
+    >>> resolve(["no-such-program", "x"])
+    ['no-such-program', 'x']
+    """
+    found = shutil.which(command[0])
+    return [found, *command[1:]] if found else command
+
+
+def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
+    """Whether ranks of `command` (resolved) are forked by the fork server, and why,
+    for the log: only a module or a script of the launcher's own interpreter can be.
+
+    >>> rank_mode([sys.executable, "-m", "train"], fork_server=True)[0]
+    True
+    >>> rank_mode([sys.executable, "-m", "train"], fork_server=False)
+    (False, 'plain processes (--no-fork-server)')
+    """
+    if not fork_server:
+        return False, "plain processes (--no-fork-server)"
+    if runnable(command):
+        return True, f"fork server ({command[0]} is this launcher's interpreter)"
+    return False, (
+        f"plain processes ({' '.join(command[:2])} is not `python -m MODULE` or "
+        f"`python SCRIPT.py` run by this launcher's interpreter, {sys.executable})"
+    )
+
+
+def rank_sys_path(command: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The `sys.path` a rank running `command` (resolved) would start with: its
+    script's folder (or the working directory) first, then PYTHONPATH, then what this
+    interpreter's site adds, as the launcher's own `sys.path` shows it.
+
+    >>> rank_sys_path([sys.executable, "/jobs/train.py"], {"PYTHONPATH": "/a:/b"})[:3]
+    ['/jobs', '/a', '/b']
+    """
+    first = os.getcwd()
+    if len(command) > 1 and command[1].endswith(".py"):
+        first = os.path.dirname(os.path.abspath(command[1]))
+    ours = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    # This process's own first entry is its script's folder, not a rank's.
+    site = [p for p in sys.path[0 if sys.flags.safe_path else 1 :] if p not in ours]
+    given = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [first, *given, *site]
+
+
+def torchft_alias_dir(command: list[str], environ: Mapping[str, str]) -> str:
+    """The folder whose `torchft` is `phalanx.torchft`, for --as-torchft; ValueError
+    (what to do) if the ranks would find a real torchft as well, which the alias
+    itself would refuse in every rank."""
+    found = real_torchft(rank_sys_path(command, environ))
+    if found is not None:
+        raise ValueError(refusal(found))
+    return ALIAS_DIR
