@@ -25,6 +25,7 @@ MODULES = [
     "phalanx.peers",
     "phalanx.token",
     "phalanx.recovery",
+    "phalanx.manifest",
     "phalanx.process_group",
     "phalanx.store",
     "phalanx.data",
