@@ -4,6 +4,7 @@
 //!
 //! Buffers are declared before the servers that lend them, so they outlive them.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
@@ -13,6 +14,9 @@ use phalanx::state::{
     SourceRegion, StateServer,
 };
 use phalanx::{Error, ErrorKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 const STEP: i64 = 42;
 const QUORUM: u64 = 7;
@@ -133,6 +137,44 @@ async fn every_byte_arrives_striped_over_all_sources() {
     for server in &servers {
         server.shutdown().await.unwrap();
     }
+}
+
+/// A loopback relay to `upstream`, and a flag it raises once `upstream` has answered
+/// through it: the event that tells a test a fetch has asked.
+async fn relay(upstream: String) -> (String, watch::Receiver<bool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("relay binds");
+    let address = listener.local_addr().expect("relay address").to_string();
+    let (answered, flag) = watch::channel(false);
+    let answered = Arc::new(answered);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let answered = answered.clone();
+            tokio::spawn(async move {
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let up = async {
+                    tokio::io::copy(&mut from_client, &mut to_server).await?;
+                    to_server.shutdown().await
+                };
+                let down = async {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = from_server.read(&mut buf).await?;
+                        if n == 0 {
+                            return to_client.shutdown().await;
+                        }
+                        to_client.write_all(&buf[..n]).await?;
+                        answered.send_replace(true);
+                    }
+                };
+                let _: (std::io::Result<()>, std::io::Result<()>) = tokio::join!(up, down);
+            });
+        }
+    });
+    (address, flag)
 }
 
 /// Waits until `server` has sent its first chunk bytes: a heal is under way.
@@ -302,10 +344,16 @@ async fn a_heal_waits_for_a_source_to_publish() {
     })
     .await
     .unwrap();
-    let sources = vec![server.address().to_string()];
+    let (through, mut answered) = relay(server.address().to_string()).await;
+    let sources = vec![through];
     let mut healed = zeroed_like(&source);
     let (stats, ()) = tokio::join!(fetch(&sources, &mut healed, options()), async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Published only once the server has told the fetch that nothing is yet.
+        let told = answered.wait_for(|&answered| answered);
+        tokio::time::timeout(Duration::from_secs(10), told)
+            .await
+            .expect("the fetch asked within 10 s")
+            .expect("relay running");
         // SAFETY: `source` outlives `server`.
         let lent = vec![unsafe { SourceRegion::new(source[0].as_ptr() as usize, source[0].len()) }];
         server.publish(STEP, QUORUM, vec![], lent).unwrap();
