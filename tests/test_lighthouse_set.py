@@ -25,6 +25,7 @@ from test_hosts import (
     on_one_switch,
     step_of,
 )
+from test_partitions import until
 from test_transaction import assert_bit_identical, committed, start_rank
 
 from conftest import Child, free_port, http_get
@@ -226,11 +227,14 @@ def test_a_partition_hands_service_to_the_majority_side_and_heals(
     serving_host(three_hosts, majority, 30)
     for name in majority:
         groups[name].expect(committed_after(2, cut_at + 1), 60, f"{name} goes on")
-    # The cut-off lighthouse stopped serving within its lease; its group commits
-    # nothing from shortly after the cut (a step in flight may still end).
-    time.sleep(3.0)
-    view = view_on(three_hosts, alone)
-    assert view is not None and not view["serving"], view
+    # The cut-off lighthouse stops serving within its lease; its group commits
+    # nothing from shortly after the cut (a step in flight may still end). Checked
+    # once the majority has committed a step that ended past that point.
+    within = max(cut_at + 3.0 + SLACK_ON_A_BUSY_MACHINE - time.time(), 1.0)
+    stepped_down = until(lambda: (v := view_on(three_hosts, alone)) and not v["serving"], within)
+    assert stepped_down, view_on(three_hosts, alone)
+    for name in majority:
+        groups[name].expect(committed_after(2, cut_at + 3), 60, f"{name} goes on past the lease")
     late = [r for r in committed_steps(groups[alone]) if r["t_end"] > cut_at + 2.5]
     assert not late, f"the cut-off group committed while cut off: {late[:3]}"
 
