@@ -329,7 +329,7 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
 
     // Down for the whole timeout: a connection error naming the lighthouse, at the
     // timeout (not at once: the step waits, asking again with backoff).
-    let asked = Instant::now();
+    let started = Instant::now();
     let timeout = Duration::from_secs(1);
     let result = bounded(
         "quorum",
@@ -337,7 +337,7 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         c.quorum(rank_request(0, 0, state_address("g", 0)), timeout),
     )
     .await;
-    let waited = asked.elapsed();
+    let waited = started.elapsed();
     let err = result.expect_err("no lighthouse, no quorum");
     eprintln!("quorum without a lighthouse failed after {waited:?}: {err}");
     assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
@@ -350,9 +350,20 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         "failed after {waited:?}, expected about the {timeout:?} timeout"
     );
 
-    // Back on its address while a step waits: used within the retry backoff.
-    let waiting = ask(&c, "g", 0, 0);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Back on its address while a step waits: used within the retry backoff. A
+    // group of two, so that the step is seen to wait: rank 1 is gathered, and once
+    // rank 0 is in too the gathering is handed to the lighthouse call.
+    let later = start_manager("later", &nowhere, 2).await;
+    let cl = rank_client(&later);
+    let second = ask(&cl, "later", 1, 0);
+    asked(&later, 0, &[1]).await;
+    let waiting = ask(&cl, "later", 0, 0);
+    bounded("the step asks the lighthouse", PATIENCE, async {
+        while later.local.asking().is_some() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
     let back = Instant::now();
     let _lighthouse = lighthouse::serve(LighthouseOptions {
         bind: nowhere.clone(),
@@ -374,6 +385,8 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
         "quorum {} after the lighthouse came back: {took:?}",
         plan.quorum_id
     );
+    let other = answer("quorum", second).await.expect("rank 1's plan");
+    assert_eq!(other.quorum_id, plan.quorum_id, "one quorum for the group");
     // Its first quorum waits out the join timeout (it hears of no earlier quorum,
     // but may be a restart) plus at most one retry backoff.
     assert!(took < Duration::from_millis(1500), "took {took:?}");
