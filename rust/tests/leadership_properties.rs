@@ -217,8 +217,17 @@ fn rates() -> impl Strategy<Value = Vec<f64>> {
     prop::collection::vec(1.0 - half..1.0 + half, 5)
 }
 
+/// 128 cases, or `PROPTEST_CASES` where it is set (as every other property test here
+/// reads it): a quick run asks for fewer.
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(128)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
     fn never_two_serving_and_terms_never_go_back(
