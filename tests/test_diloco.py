@@ -299,6 +299,7 @@ def test_int8_round_trip_is_within_half_a_scale(values, block):
     assert torch.equal(back[x == 0], x[x == 0])
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(
     st.integers(1, 8).flatmap(
@@ -384,7 +385,7 @@ def is_committed_sync(line: dict) -> bool:
     return line.get("event") == "sync" and line["committed"]
 
 
-@pytest.mark.slow
+# In the fast tier on purpose (about 20 s): its one test of a group SIGKILL and heal.
 def test_a_group_killed_during_local_steps_heals_at_the_next_sync(spawn, lighthouse):
     flags = ("--sync-every", "4")
     a = start_group(spawn, lighthouse.address, "a", *flags)

@@ -80,6 +80,8 @@ def assert_shards_bit_identical(children: list[Child]) -> int:
     return len(compared)
 
 
+# Slow: two groups of two ranks against one process, step by step (about 30 s).
+@pytest.mark.slow
 def test_hsdp_trains_like_one_process_on_the_combined_batch(spawn, tmp_path):
     from hsdp_process import batch, build_model, build_optimizer
 
@@ -290,6 +292,7 @@ def test_the_docstring_example_runs():
     assert attempted > 0 and failed == 0, out
 
 
+@pytest.mark.slow
 def test_a_model_sharded_by_the_caller_over_the_group_is_taken_as_it_is():
     out = run_python(PRESHARDED)
     assert "refused: the model is sharded already" in out

@@ -134,6 +134,7 @@ def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires
         assert launcher.wait(15) == 130
 
 
+@pytest.mark.slow
 def test_a_token_file_reaches_the_ranks_as_the_token(tmp_path):
     path = write_token_file(tmp_path / "job.token", "from-a-file\n")
     env = {**child_env(), "PHALANX_TOKEN_FILE": str(path)}
@@ -179,6 +180,7 @@ def test_without_a_token_a_launcher_does_not_join_an_outside_lighthouse():
     assert not reports(done.stdout), "no rank started"
 
 
+@pytest.mark.slow
 def test_insecure_joins_an_open_lighthouse_without_a_token_and_says_so():
     with phalanx.LighthouseServer() as lighthouse:
         done = launch("--lighthouse", lighthouse.address, "--insecure", "--", RANK, "0", "0")
@@ -199,6 +201,7 @@ def test_a_failing_group_is_restarted_with_backoff_then_given_up():
     assert "group0: 2 restart(s); exits: 3 failed; given up" in done.stdout, "the summary"
 
 
+@pytest.mark.slow
 def test_evictions_as_stalled_are_counted_apart_from_failures():
     # A rank that exits as the watchdog does when the lighthouse evicts its group.
     done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "0", "75")
@@ -241,6 +244,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_group_that_commits_between_its_failures_gets_its_restarts_back(tmp_path):
     script = tmp_path / "quiet_train.py"
     script.write_text(QUIET_TRAIN)
@@ -379,6 +383,7 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_restarted_group_is_forked_with_its_own_environment():
     done = launch("--max-restarts", "1", "--restart-backoff", "0.05", "--", RANK, "0", "3")
 
@@ -424,6 +429,7 @@ def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatc
     assert why.startswith("plain processes") and sys.executable in why
 
 
+@pytest.mark.slow
 def test_python_dash_m_on_the_path_is_forked(tmp_path):
     env = child_env()
     env["PATH"] = path_with(tmp_path / "bin", python=sys.executable)
@@ -469,6 +475,7 @@ def test_a_dead_fork_server_is_noticed_at_once_not_spun_on():
     server.process.stdout.close()
 
 
+@pytest.mark.slow
 def test_sigint_ends_the_launcher_and_every_rank():
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],

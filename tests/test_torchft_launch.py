@@ -112,7 +112,9 @@ def test_every_rank_knows_its_group_index_and_the_group_count_without_the_flag(r
 
 
 # Forked ranks inherit the fork server's sys.path, fixed when it started: both ways.
-@pytest.mark.parametrize("fork_server", ["--fork-server", "--no-fork-server"])
+@pytest.mark.parametrize(
+    "fork_server", ["--fork-server", pytest.param("--no-fork-server", marks=pytest.mark.slow)]
+)
 def test_as_torchft_makes_import_torchft_phalanx_torchft_in_every_rank(rank_script, fork_server):
     done = run_launcher(
         "--as-torchft", fork_server, "--replicas", "2", "--", str(rank_script), "--import"
@@ -214,6 +216,7 @@ def test_torchft_path_is_the_environment_switch_for_other_launchers():
     assert done.stdout.strip() == "phalanx.torchft"
 
 
+@pytest.mark.slow
 def test_a_torchft_module_imported_again_is_still_phalanxs_own():
     # What SUBMODULES does not register (a module dropped from sys.modules here; in
     # real code, one deeper down) is found as the phalanx module itself, which keeps
@@ -283,6 +286,8 @@ manager.shutdown()
 """
 
 
+# Slow: torchrun starts the script twice (about 15 s).
+@pytest.mark.slow
 def test_a_torchft_script_runs_under_torchrun_and_its_restart(tmp_path, lighthouse):
     # torchrun's agent keeps its own store on MASTER_PORT: rank 0 serves the group's
     # manager on a port of its own and leaves the address there for the other ranks,

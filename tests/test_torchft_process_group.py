@@ -189,6 +189,7 @@ def test_it_takes_a_manager_only(lighthouse):
 # -- real groups -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_groups_sum_and_average_through_it(spawn):
     with phalanx.LighthouseServer(
         bind="127.0.0.1:0", min_replicas=2, join_timeout=0.3, heartbeat_timeout=5.0
@@ -244,6 +245,8 @@ def test_a_group_killed_mid_step_fails_the_survivors_step_instead_of_raising(spa
     assert not any("Traceback" in line for line in a.stderr), "\n".join(a.stderr)
 
 
+# Slow: four ranks with FSDP2 under the hook (about 25 s).
+@pytest.mark.slow
 def test_fsdp2_inside_groups_with_the_all_reduce_hook_over_it(spawn, tmp_path):
     """Two groups of 2 ranks: FSDP2 shards over a group's ranks, the hook averages
     each shard's gradient across the groups. Every rank ends with the parameters of

@@ -194,6 +194,8 @@ def test_two_groups_of_two_ranks_survive_a_group_kill(spawn, lighthouse):
     assert assert_bit_identical(a + b + b2) >= past  # every step up to there
 
 
+# Slow: it waits out two step deadlines after the kill (about 20 s).
+@pytest.mark.slow
 def test_a_group_whose_rank_dies_never_commits_the_step(spawn, lighthouse):
     port = free_port()
     # Short deadlines (rank 1's missing vote and quorum request run into them), so that
