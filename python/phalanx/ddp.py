@@ -14,11 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, cut
 from phalanx.manager import Manager
-
-BUCKET_BYTES = 25 * 1024 * 1024
-#: The first bucket is small, so that communication starts early in backward.
-FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class _Bucket:
@@ -60,17 +57,8 @@ class _Bucket:
 def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
     cut into a first bucket of about FIRST_BUCKET_BYTES, then buckets of `limit`."""
-    bucket: list[nn.Parameter] = []
-    size = 0
-    cap = min(limit, FIRST_BUCKET_BYTES)
-    for p in reversed(params):
-        bucket.append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            yield bucket
-            bucket, size, cap = [], 0, limit
-    if bucket:
-        yield bucket
+    first = min(limit, FIRST_BUCKET_BYTES)
+    return cut(reversed(params), lambda p: p.numel() * p.element_size(), limit, first)
 
 
 class DistributedDataParallel(nn.Module):

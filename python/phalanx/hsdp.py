@@ -53,12 +53,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from phalanx.buckets import BUCKET_BYTES, cut
 from phalanx.manager import Manager
 
 __all__ = ["fully_shard_hsdp", "shard_mesh"]
 
-#: Gradient shards are averaged in flat buckets of about this size, as in DDP.
-BUCKET_BYTES = 25 * 1024 * 1024
 #: Where the group's ranks meet to form torch.distributed's default process group.
 STORE_PREFIX = "phalanx/hsdp"
 MESH_DIM = "shard"
@@ -233,16 +232,7 @@ def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Paramet
     for p in params:
         kinds.setdefault((p.dtype, p.to_local().device), []).append(p)
     for same in kinds.values():
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in same:
-            bucket.append(p)
-            size += p.to_local().numel() * p.element_size()
-            if size >= limit:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        yield from cut(same, lambda p: p.to_local().numel() * p.element_size(), limit)
 
 
 class _CrossGroupAverage:

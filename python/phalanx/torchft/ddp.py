@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from phalanx.ddp import BUCKET_BYTES
+from phalanx.buckets import BUCKET_BYTES
 from phalanx.ddp import DistributedDataParallel as _PhalanxDDP
 from phalanx.torchft.manager import phalanx_manager
 
