@@ -4,7 +4,6 @@
 
 pub mod auth;
 pub mod cli;
-pub mod client;
 pub mod door;
 mod error;
 pub mod gate;
@@ -18,6 +17,7 @@ pub mod quorum;
 pub mod server;
 pub mod state;
 pub mod store;
+mod transport;
 pub mod validate;
 
 pub use error::{Error, ErrorKind};

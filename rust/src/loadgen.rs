@@ -8,7 +8,7 @@ use prost::Message;
 use tokio::sync::{mpsc, Barrier};
 
 use crate::auth::JobToken;
-use crate::client::LighthouseClient;
+use crate::lighthouse::client::LighthouseClient;
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 use crate::Error;
 

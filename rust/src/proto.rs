@@ -12,6 +12,11 @@ tonic::include_proto!("phalanx.v1");
 /// state as of the job's first lineage, and be taken for the holder of an old one.
 pub const PROTOCOL_VERSION: u32 = 3;
 
+/// The gRPC metadata key that carries the serving lighthouse's address on a refusal:
+/// set by a lighthouse of a set that does not serve (`lighthouse::set`), read by
+/// `LighthouseClient` to move to the one that does.
+pub const LEADER_KEY: &str = "phalanx-leader";
+
 impl From<Member> for crate::quorum::Member {
     fn from(m: Member) -> Self {
         crate::quorum::Member {

@@ -9,8 +9,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::client::LighthouseClient;
 use phalanx::gate::GateLimits;
+use phalanx::lighthouse::client::LighthouseClient;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::proto::{self, PROTOCOL_VERSION};
 use phalanx::server::ServerHandle;

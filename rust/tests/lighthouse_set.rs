@@ -6,12 +6,13 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::client::LighthouseClient;
 use phalanx::gate::GateLimits;
+use phalanx::lighthouse::client::LighthouseClient;
 use phalanx::lighthouse::leadership::Timing;
-use phalanx::lighthouse::set::{SetOptions, LEADER_KEY};
+use phalanx::lighthouse::set::SetOptions;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::proto;
+use phalanx::proto::LEADER_KEY;
 use phalanx::server::ServerHandle;
 use phalanx::Error;
 use tonic::Code;

@@ -8,9 +8,9 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::client::ManagerClient;
 use phalanx::gate::GateLimits;
 use phalanx::lighthouse::{self, LighthouseOptions};
+use phalanx::manager::client::ManagerClient;
 use phalanx::manager::{self, ManagerHandle, ManagerOptions};
 use phalanx::proto;
 use phalanx::server::ServerHandle;
@@ -480,7 +480,7 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
     .expect("a new lighthouse binds the same port");
 
     // Without any quorum request, the group's heartbeat finds the new lighthouse.
-    let watcher = phalanx::client::LighthouseClient::new(
+    let watcher = phalanx::lighthouse::client::LighthouseClient::new(
         &addr.to_string(),
         &JobToken::default(),
         Duration::from_secs(1),

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::client::ManagerClient;
 use phalanx::gate::GateLimits;
 use phalanx::lighthouse::{self, LighthouseOptions};
+use phalanx::manager::client::ManagerClient;
 use phalanx::manager::{self, ManagerOptions};
 use phalanx::proto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -1,6 +1,7 @@
 //! The lighthouse: one per job. It decides quorums, watches the liveness of every
 //! replica group through its heartbeat stream, and serves a status page and metrics.
 
+pub mod client;
 mod http;
 pub mod leadership;
 mod metrics;

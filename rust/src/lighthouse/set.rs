@@ -17,13 +17,12 @@ use tonic::{Request, Response, Status};
 
 use super::leadership::{Envelope, Leadership, Saved, Timing, View, VoteStore};
 use crate::auth::JobToken;
-use crate::client::{self, Authed};
-use crate::proto::{self, lighthouse_set_client::LighthouseSetClient, lighthouse_set_server};
+use crate::proto::{
+    self, lighthouse_set_client::LighthouseSetClient, lighthouse_set_server, LEADER_KEY,
+};
 use crate::quorum::Identity;
+use crate::transport::{self, Authed};
 use crate::Error;
-
-/// The gRPC metadata key that carries the serving lighthouse's address on a refusal.
-pub const LEADER_KEY: &str = "phalanx-leader";
 
 /// How a lighthouse joins a set.
 #[derive(Clone, Debug)]
@@ -156,7 +155,7 @@ impl Seat {
                 outboxes.push(None);
                 continue;
             }
-            let (channel, attach) = client::channel(address, token, Duration::from_millis(300))?;
+            let (channel, attach) = transport::channel(address, token, Duration::from_millis(300))?;
             let (tx, rx) = mpsc::channel(256);
             outboxes.push(Some(tx));
             senders.push((

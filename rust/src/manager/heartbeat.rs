@@ -21,9 +21,10 @@ use tokio_util::task::AbortOnDropHandle;
 use tonic::{Code, Status, Streaming};
 
 use super::progress::Board;
-use crate::client::{timeout_ms, LighthouseClient, Route};
 use crate::gate::{self, GroupRefusals, RefusalCounts};
+use crate::lighthouse::client::{LighthouseClient, Route};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
+use crate::transport::timeout_ms;
 
 /// A lighthouse that restarts is back within a second or so; its groups should be too.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_millis(250);

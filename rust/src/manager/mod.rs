@@ -6,6 +6,7 @@
 //! `crate::store`): the group's own process groups and the cross-group ones of the
 //! quorums this group comes first in meet there.
 
+pub mod client;
 mod group;
 mod heartbeat;
 pub mod plan;
@@ -25,9 +26,9 @@ use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
-use crate::client::{decode_quorum, LighthouseClient};
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
+use crate::lighthouse::client::{decode_quorum, LighthouseClient};
 use crate::proto::store_server::StoreServer;
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
@@ -624,8 +625,8 @@ async fn beat_until_stopped(heartbeat: Heartbeat, mut stopping: watch::Receiver<
 
 #[cfg(test)]
 mod tests {
+    use super::client::ManagerClient;
     use super::*;
-    use crate::client::ManagerClient;
     use crate::lighthouse::{self, LighthouseOptions};
     use crate::proto::PROTOCOL_VERSION;
     use tokio::net::TcpStream;

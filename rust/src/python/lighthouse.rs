@@ -11,9 +11,8 @@ use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
 use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
-use crate::client;
 use crate::gate::GateLimits;
-use crate::lighthouse::{self, LighthouseOptions, Tuning};
+use crate::lighthouse::{self, client, LighthouseOptions, Tuning};
 use crate::proto;
 use crate::server::ServerHandle;
 

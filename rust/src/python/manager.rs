@@ -13,9 +13,8 @@ use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult};
 use super::{seconds, seconds_or_zero, stop, unsigned, Server};
 use crate::auth::JobToken;
-use crate::client;
 use crate::gate::{GateLimits, GroupRefusals};
-use crate::manager::{self, ManagerOptions};
+use crate::manager::{self, client, ManagerOptions};
 use crate::proto;
 use crate::server::ServerHandle;
 

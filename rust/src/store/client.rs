@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use tonic::Code;
 
 use crate::auth::JobToken;
-use crate::client::{
+use crate::proto::{self, store_client, PROTOCOL_VERSION};
+use crate::transport::{
     call, channel, jittered, timeout_ms, with_timeout, Authed, MAX_RESPONSE_BYTES,
     MAX_RETRY_BACKOFF, MIN_RETRY_BACKOFF,
 };
-use crate::proto::{self, store_client, PROTOCOL_VERSION};
 use crate::Error;
 
 const WHAT: &str = "rendezvous store";

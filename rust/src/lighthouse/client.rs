@@ -1,6 +1,6 @@
-//! Clients of the lighthouse and of a manager server. Every call has a deadline
-//! (invariant I6): the caller's timeout plus a short grace for the server's own
-//! answer, after which the call fails with a timeout rather than waiting on.
+//! The client of the job's lighthouse, or of a set of them: one lighthouse asked at a
+//! time, the route moved on when it does not serve or goes silent. Its calls run under
+//! the deadlines of `crate::transport`.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -9,137 +9,16 @@ use std::time::{Duration, Instant};
 use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
 use crate::auth::{AttachToken, JobToken};
-use crate::manager::LocalManager;
-use crate::proto::{self, PROTOCOL_VERSION};
+use crate::proto::{self, LEADER_KEY, PROTOCOL_VERSION};
+use crate::transport::{
+    answer, endpoint, jittered, timeout_ms, with_timeout, within, Authed, MAX_RESPONSE_BYTES,
+    MAX_RETRY_BACKOFF, MIN_RETRY_BACKOFF,
+};
 use crate::Error;
-
-/// Time the server gets past the caller's timeout to send its own, better-worded error.
-pub(crate) const GRACE: Duration = Duration::from_millis(500);
-/// How soon, and at most how long apart, a lighthouse that cannot be reached is
-/// asked again for a quorum.
-pub(crate) const MIN_RETRY_BACKOFF: Duration = Duration::from_millis(50);
-pub(crate) const MAX_RETRY_BACKOFF: Duration = Duration::from_millis(500);
-
-/// `base` scaled by a random factor in [0.75, 1.25), so that the groups of a job that
-/// lost their lighthouse do not all ask again at the same instant.
-pub(crate) fn jittered(base: Duration) -> Duration {
-    use std::hash::{BuildHasher, Hasher};
-    let random = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    base.mul_f64(0.75 + (random % 1000) as f64 / 2000.0)
-}
-
-/// Answers can list thousands of members; far more than requests.
-pub(crate) const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
-
-pub(crate) type Authed = InterceptedService<Channel, AttachToken>;
-
-pub(crate) fn channel(
-    address: &str,
-    token: &JobToken,
-    connect_timeout: Duration,
-) -> Result<(Channel, AttachToken), Error> {
-    let channel = endpoint(address, connect_timeout)?.connect_lazy();
-    let attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
-    Ok((channel, attach))
-}
-
-/// Where `channel` connects to, and how: each `connect_lazy` of it is a connection of
-/// its own.
-fn endpoint(address: &str, connect_timeout: Duration) -> Result<Endpoint, Error> {
-    let uri = if address.contains("://") {
-        address.to_string()
-    } else {
-        format!("http://{address}")
-    };
-    let endpoint = Endpoint::from_shared(uri).map_err(|e| {
-        Error::InvalidConfig(format!(
-            "{address:?} is not a valid address ({e}); write it as host:port"
-        ))
-    })?;
-    // Said now, not as "connection refused" on every call.
-    if endpoint.uri().port_u16().is_none_or(|port| port == 0) {
-        return Err(Error::InvalidConfig(format!(
-            "{address:?} names no port, or one out of range; write it as host:port with a \
-             port from 1 to 65535"
-        )));
-    }
-    Ok(endpoint
-        .connect_timeout(connect_timeout)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20)))
-}
-
-/// Runs one call under a deadline and words transport failures for the user.
-pub(crate) async fn call<T>(
-    what: &'static str,
-    address: &str,
-    timeout: Duration,
-    fut: impl Future<Output = Result<tonic::Response<T>, Status>>,
-) -> Result<T, Error> {
-    answer(what, address, timeout, within(timeout, fut).await)
-}
-
-/// What `fut` answered by its deadline (the caller's timeout and the grace); None:
-/// nothing came, not even the server's own "too late".
-async fn within<R>(timeout: Duration, fut: impl Future<Output = R>) -> Option<R> {
-    tokio::time::timeout(timeout + GRACE, fut).await.ok()
-}
-
-fn answer<T>(
-    what: &'static str,
-    address: &str,
-    timeout: Duration,
-    answered: Option<Result<tonic::Response<T>, Status>>,
-) -> Result<T, Error> {
-    match answered {
-        Some(Ok(response)) => Ok(response.into_inner()),
-        Some(Err(status)) => Err(word(what, address, status)),
-        None => Err(Error::Rpc(Status::deadline_exceeded(format!(
-            "no answer from the {what} at {address} within {:.3} s",
-            timeout.as_secs_f64()
-        )))),
-    }
-}
-
-/// A transport failure (no server, a connection reset or broken mid-call, whatever
-/// code tonic gave it) becomes a `Connect` error naming the server; a status the
-/// server sent is passed on as it is.
-fn word(what: &'static str, address: &str, status: Status) -> Error {
-    let from_transport = std::error::Error::source(&status).is_some();
-    if from_transport && status.code() != Code::DeadlineExceeded {
-        let mut detail = status.message().to_string();
-        let mut source = std::error::Error::source(&status);
-        while let Some(s) = source {
-            detail = s.to_string();
-            source = s.source();
-        }
-        Error::Connect {
-            what,
-            address: address.to_string(),
-            detail,
-        }
-    } else {
-        Error::Rpc(status)
-    }
-}
-
-pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
-    let mut request = tonic::Request::new(message);
-    request.set_timeout(timeout + GRACE);
-    request
-}
-
-pub(crate) fn timeout_ms(timeout: Duration) -> u64 {
-    timeout.as_millis().clamp(1, u64::MAX as u128) as u64
-}
 
 /// The quorum a lighthouse at `address` answered with.
 pub(crate) fn decode_quorum(encoded: bytes::Bytes, address: &str) -> Result<proto::Quorum, Error> {
@@ -214,7 +93,7 @@ struct Attempt<T> {
 /// A client of the job's lighthouse, or of a set of them (`a:p,b:p,c:p`): calls go to
 /// one lighthouse at a time, the one that served last; a call that cannot reach it, or
 /// that it refuses because another serves, moves every clone of this client to the
-/// lighthouse it names (`lighthouse::set::LEADER_KEY`), or else to the next in the list.
+/// lighthouse it names (`proto::LEADER_KEY`), or else to the next in the list.
 /// A heartbeat stream that goes silent gives up its connection for a fresh one
 /// ([`Self::went_silent`]), and every call waiting on the old one asks again.
 #[derive(Clone)]
@@ -241,7 +120,7 @@ fn leader_hint(error: &Error) -> Option<String> {
     match error {
         Error::Rpc(status) => status
             .metadata()
-            .get(crate::lighthouse::set::LEADER_KEY)
+            .get(LEADER_KEY)
             .and_then(|v| v.to_str().ok())
             .map(str::to_string),
         _ => None,
@@ -520,161 +399,14 @@ impl LighthouseClient {
         (attempt.route, attempt.result)
     }
 }
-
-#[derive(Clone)]
-pub struct ManagerClient {
-    address: String,
-    inner: proto::manager_client::ManagerClient<Authed>,
-    /// The manager server itself, when this process hosts it: quorums, votes and
-    /// progress go to it directly (events still come over the network).
-    local: Option<LocalManager>,
-}
-
-impl ManagerClient {
-    pub fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
-        let (channel, attach) = channel(address, token, connect_timeout)?;
-        Ok(ManagerClient {
-            address: address.to_string(),
-            inner: proto::manager_client::ManagerClient::with_interceptor(channel, attach)
-                .max_decoding_message_size(MAX_RESPONSE_BYTES),
-            local: None,
-        })
-    }
-
-    /// This client's calls go to `server`, hosted by this process, without the network.
-    pub fn in_process(self, server: LocalManager) -> Self {
-        ManagerClient {
-            local: Some(server),
-            ..self
-        }
-    }
-
-    /// Asks for the quorum of `request.step`; the protocol version and the timeout
-    /// fields are filled in here.
-    pub async fn quorum(
-        &self,
-        request: proto::ManagerQuorumRequest,
-        timeout: Duration,
-    ) -> Result<proto::ManagerQuorumResponse, Error> {
-        let request = with_timeout(
-            proto::ManagerQuorumRequest {
-                protocol_version: PROTOCOL_VERSION,
-                timeout_ms: timeout_ms(timeout),
-                ..request
-            },
-            timeout,
-        );
-        if let Some(local) = &self.local {
-            return call(
-                "manager server",
-                &self.address,
-                timeout,
-                local.quorum(request),
-            )
-            .await;
-        }
-        let mut client = self.inner.clone();
-        call(
-            "manager server",
-            &self.address,
-            timeout,
-            client.quorum(request),
-        )
-        .await
-    }
-
-    /// Casts `vote.group_rank`'s vote and returns the group's decision.
-    pub async fn should_commit(
-        &self,
-        vote: proto::ShouldCommitRequest,
-        timeout: Duration,
-    ) -> Result<proto::ShouldCommitResponse, Error> {
-        let request = with_timeout(
-            proto::ShouldCommitRequest {
-                protocol_version: PROTOCOL_VERSION,
-                timeout_ms: timeout_ms(timeout),
-                ..vote
-            },
-            timeout,
-        );
-        if let Some(local) = &self.local {
-            return call(
-                "manager server",
-                &self.address,
-                timeout,
-                local.should_commit(request),
-            )
-            .await;
-        }
-        let mut client = self.inner.clone();
-        call(
-            "manager server",
-            &self.address,
-            timeout,
-            client.should_commit(request),
-        )
-        .await
-    }
-
-    /// Reports a rank's training progress (see `proto::ProgressReport`).
-    pub async fn progress(
-        &self,
-        report: proto::ProgressReport,
-        timeout: Duration,
-    ) -> Result<(), Error> {
-        let request = with_timeout(
-            proto::ProgressReport {
-                protocol_version: PROTOCOL_VERSION,
-                ..report
-            },
-            timeout,
-        );
-        if let Some(local) = &self.local {
-            return call(
-                "manager server",
-                &self.address,
-                timeout,
-                local.progress(request),
-            )
-            .await
-            .map(|_| ());
-        }
-        let mut client = self.inner.clone();
-        call(
-            "manager server",
-            &self.address,
-            timeout,
-            client.progress(request),
-        )
-        .await
-        .map(|_| ())
-    }
-
-    /// Subscribes to the membership-loss events the manager relays.
-    pub async fn events(
-        &self,
-        timeout: Duration,
-    ) -> Result<tonic::Streaming<proto::ManagerEvent>, Error> {
-        let mut client = self.inner.clone();
-        call(
-            "manager server",
-            &self.address,
-            timeout,
-            client.events(proto::EventsRequest {
-                protocol_version: PROTOCOL_VERSION,
-            }),
-        )
-        .await
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A listener that accepts connections and never answers on them: a lighthouse
-    /// behind a cut, as far as an open connection can tell.
-    async fn black_hole() -> (String, tokio::task::JoinHandle<()>) {
+    /// A client of a listener that accepts connections and never answers on them: a
+    /// lighthouse behind a cut, as far as an open connection can tell. The listener
+    /// lives as long as the task returned.
+    async fn cut_off() -> (LighthouseClient, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let held = tokio::spawn(async move {
@@ -683,14 +415,14 @@ mod tests {
                 connections.push(connection);
             }
         });
-        (address, held)
+        let client =
+            LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
+        (client, held)
     }
 
     #[tokio::test]
     async fn a_silent_route_is_given_up_once_and_its_waiting_call_asks_again() {
-        let (address, _held) = black_hole().await;
-        let client =
-            LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
+        let (client, _held) = cut_off().await;
         let before = client.route();
         let waiting = {
             let client = client.clone();
@@ -723,9 +455,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_that_hears_nothing_by_its_deadline_gives_up_its_connection() {
-        let (address, _held) = black_hole().await;
-        let client =
-            LighthouseClient::new(&address, &JobToken::default(), CONNECT_ATTEMPT).expect("client");
+        let (client, _held) = cut_off().await;
         let before = client.route();
         // On a loaded machine the connection itself may take longer than an attempt
         // may (CONNECT_ATTEMPT): that is a failed connect, not a silent lighthouse,
