@@ -176,40 +176,17 @@ class Manager:
         quorum_retries: int = 0,
     ) -> None:
         env = os.environ
+        _check(min_replica_size, world_size_mode, max_retries, load_state_dict, state_dict)
         device = _device(pg)
-        if not isinstance(min_replica_size, int) or min_replica_size < 1:
-            raise ValueError(
-                f"min_replica_size={min_replica_size!r}: it is the fewest groups a step may "
-                "commit with, a positive integer"
-            )
-        if not isinstance(world_size_mode, WorldSizeMode):
-            raise ValueError(f"world_size_mode={world_size_mode!r} is not a WorldSizeMode")
-        if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
-            raise ValueError(f"max_retries={max_retries!r}: None, or a number of failed steps")
         timeout = _seconds_env(env, "TORCHFT_TIMEOUT_SEC", timeout, "timeout")
         quorum = _seconds_env(env, "TORCHFT_QUORUM_TIMEOUT_SEC", quorum_timeout, "quorum_timeout")
-        if connect_timeout is not _CONNECT_TIMEOUT or "TORCHFT_CONNECT_TIMEOUT_SEC" in env:
-            _Unneeded.tell(
-                "connect_timeout",
-                "a rank reconnects by itself and gives up on a lighthouse it cannot reach "
-                "after its lighthouse timeout (PHALANX_LIGHTHOUSE_TIMEOUT)",
-            )
-        if int(env.get("TORCHFT_QUORUM_RETRIES", quorum_retries)):
-            _Unneeded.tell(
-                "quorum_retries",
-                "a quorum request is asked again until the lighthouse timeout "
-                "(PHALANX_LIGHTHOUSE_TIMEOUT)",
-            )
-        if port is not None or env.get("TORCHFT_MANAGER_PORT"):
-            _Unneeded.tell(
-                "port", "the manager server listens on group rank 0's store port (MASTER_PORT)"
-            )
-        if checkpoint_transport is not None:
-            _Unneeded.tell(
-                "checkpoint_transport",
-                "a healing group streams the state from every up-to-date peer's state "
-                "server, striped and checksummed, straight into its own tensors",
-            )
+        _tell_unneeded(
+            env,
+            connect_timeout=connect_timeout is not _CONNECT_TIMEOUT,
+            quorum_retries=quorum_retries,
+            port=port,
+            checkpoint_transport=checkpoint_transport,
+        )
         backend = getattr(pg, "collective_timeout", pg.timeout)
         collective = min(timeout, _positive(backend, "the process group's timeout"))
         self.phalanx = phalanx.Manager(
@@ -241,11 +218,6 @@ class Manager:
         self.phalanx.register_state(STATE_NAME, self._own_state, self._load_own_state)
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
-        elif (load_state_dict is None) != (state_dict is None):
-            raise ValueError(
-                "pass both load_state_dict and state_dict, or neither (and register them "
-                "later with register_state_dict_fn)"
-            )
 
     # -- the state a healing group receives --------------------------------------------
 
@@ -356,7 +328,8 @@ class Manager:
     ) -> torch.futures.Future[T]:
         """A future of `fut`'s value, or of `default` when `fut` fails or is not done
         within `timeout` (default: the Manager's); the failure fails this step."""
-        seconds = self._timeouts.collective if timeout is None else _positive(timeout, "timeout")
+        # The Manager's `timeout` is its commit timeout (see __init__).
+        seconds = self._timeouts.commit if timeout is None else _positive(timeout, "timeout")
         out: torch.futures.Future[T] = torch.futures.Future()
         lock = threading.Lock()
 
@@ -496,6 +469,61 @@ def phalanx_manager(manager: Any, what: str) -> phalanx.Manager:
     raise TypeError(
         f"{what} needs a phalanx.torchft.Manager or a phalanx.Manager, got {type(manager).__name__}"
     )
+
+
+def _check(
+    min_replica_size: Any,
+    world_size_mode: Any,
+    max_retries: Any,
+    load_state_dict: Any,
+    state_dict: Any,
+) -> None:
+    """ValueError, naming the argument, for one that cannot work (before anything
+    is opened)."""
+    if not isinstance(min_replica_size, int) or min_replica_size < 1:
+        raise ValueError(
+            f"min_replica_size={min_replica_size!r}: it is the fewest groups a step may "
+            "commit with, a positive integer"
+        )
+    if not isinstance(world_size_mode, WorldSizeMode):
+        raise ValueError(f"world_size_mode={world_size_mode!r} is not a WorldSizeMode")
+    if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
+        raise ValueError(f"max_retries={max_retries!r}: None, or a number of failed steps")
+    if (load_state_dict is None) != (state_dict is None):
+        raise ValueError(
+            "pass both load_state_dict and state_dict, or neither (and register them "
+            "later with register_state_dict_fn)"
+        )
+
+
+def _tell_unneeded(
+    env: Any,
+    *,
+    connect_timeout: bool,
+    quorum_retries: int,
+    port: int | None,
+    checkpoint_transport: Any,
+) -> None:
+    """Logs (once) each torchft argument given that phalanx has no use for."""
+    reconnects = (
+        "a rank reconnects by itself and asks again until its lighthouse timeout "
+        "(PHALANX_LIGHTHOUSE_TIMEOUT)"
+    )
+    if connect_timeout or "TORCHFT_CONNECT_TIMEOUT_SEC" in env:
+        _Unneeded.tell("connect_timeout", reconnects)
+    retries = env.get("TORCHFT_QUORUM_RETRIES") or str(quorum_retries)
+    if retries.strip() not in ("", "0"):
+        _Unneeded.tell("quorum_retries", reconnects)
+    if port is not None or env.get("TORCHFT_MANAGER_PORT"):
+        _Unneeded.tell(
+            "port", "the manager server listens on group rank 0's store port (MASTER_PORT)"
+        )
+    if checkpoint_transport is not None:
+        _Unneeded.tell(
+            "checkpoint_transport",
+            "a healing group streams the state from every up-to-date peer's state server, "
+            "striped and checksummed, straight into its own tensors",
+        )
 
 
 def _device(pg: Any) -> str | None:
