@@ -9,6 +9,7 @@ mod newest;
 mod pulse;
 mod service;
 pub mod set;
+mod stall;
 pub mod state;
 mod tally;
 

@@ -16,7 +16,8 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
 use super::newest::NewestState;
-use super::pulse::{Pulse, Training};
+use super::pulse::Pulse;
+use super::stall::{self, Groups, Stalls, Watched};
 use super::tally::Tally;
 use crate::gate::RefusalCounts;
 use crate::proto;
@@ -169,24 +170,6 @@ impl StepSamples {
     }
 }
 
-/// The two earliest waits among a quorum's members: the earliest with the index of
-/// its member, and the next (see `LighthouseState::earliest_waits`).
-#[derive(Default)]
-struct EarliestWaits {
-    first: Option<(Instant, usize)>,
-    second: Option<Instant>,
-}
-
-impl EarliestWaits {
-    /// The earliest wait of a member other than member `k`.
-    fn of_others(&self, k: usize) -> Option<Instant> {
-        match self.first {
-            Some((_, who)) if who == k => self.second,
-            first => first.map(|(since, _)| since),
-        }
-    }
-}
-
 /// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
 pub type QuorumReply = Result<Bytes, Status>;
 
@@ -267,10 +250,8 @@ pub struct LighthouseState {
     /// last looked (a request left, a group was evicted or opened a stream): the next
     /// join runs the engine.
     engine_due: bool,
-    /// A member of the current quorum is due as stalled and no peer waits on it yet
-    /// (see `evict_stalled`): the next request to join makes a peer wait, so it runs
-    /// the stall check.
-    stall_overdue: bool,
+    /// Stall detection (see `stall.rs`).
+    stalls: Stalls,
     /// Groups declared dead recently, oldest first.
     lost: VecDeque<Lost>,
     /// When some group last committed a step, or when the lighthouse started.
@@ -302,6 +283,31 @@ impl LiveSet for Fresh<'_> {
     }
 }
 
+/// The groups as stall detection sees them.
+struct Watch<'a> {
+    replicas: &'a HashMap<ReplicaId, Replica>,
+    joiners: &'a BTreeMap<ReplicaId, Joiner>,
+    quorum: Option<&'a Quorum>,
+}
+
+impl Groups for Watch<'_> {
+    fn quorum(&self) -> Option<&Quorum> {
+        self.quorum
+    }
+    fn ids(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        Box::new(self.replicas.keys().map(String::as_str))
+    }
+    fn watched(&self, replica_id: &str) -> Watched {
+        let replica = self.replicas.get(replica_id);
+        Watched {
+            training: replica.and_then(|r| r.pulse.training()),
+            asked_at: self.joiners.get(replica_id).map(|j| j.joined_at),
+            step: replica.map_or(0, |r| r.pulse.step()),
+            stream_opened_at: replica.and_then(|r| r.stream.as_ref().map(|s| s.opened_at)),
+        }
+    }
+}
+
 impl LighthouseState {
     pub fn new(
         config: QuorumConfig,
@@ -327,7 +333,7 @@ impl LighthouseState {
             waiting_stale: false,
             late_cursor: 0,
             engine_due: false,
-            stall_overdue: false,
+            stalls: Stalls::default(),
             lost: VecDeque::new(),
             last_commit: epoch,
             ticker_deadline: None,
@@ -637,106 +643,15 @@ impl LighthouseState {
         }
     }
 
-    /// The training progress of a live member of the current quorum that reports it.
-    fn training(&self, replica_id: &str) -> Option<Training> {
-        self.replicas.get(replica_id)?.pulse.training()
-    }
-
-    /// Since when a member waits on the others: it asks for the next quorum, or some
-    /// rank of it sits in a collective, a vote or a heal.
-    fn waiting_since(&self, replica_id: &str) -> Option<Instant> {
-        let joined = self.joiners.get(replica_id).map(|j| j.joined_at);
-        let training = self.training(replica_id).and_then(|t| t.waiting_since);
-        joined.into_iter().chain(training).min()
-    }
-
-    /// The earliest waits among the members of `quorum` (see `waiting_since`), found
-    /// in one pass: each member's stall is judged by the earliest wait of the others,
-    /// and with the two earliest at hand that takes no second pass over them.
-    fn earliest_waits(&self, quorum: &Quorum) -> EarliestWaits {
-        let mut waits = EarliestWaits::default();
-        for (k, id) in quorum.replica_ids().enumerate() {
-            let Some(since) = self.waiting_since(id) else {
-                continue;
-            };
-            match waits.first {
-                Some((first, _)) if first <= since => {
-                    waits.second = Some(waits.second.map_or(since, |s| s.min(since)));
-                }
-                _ => {
-                    waits.second = waits.first.map(|(first, _)| first);
-                    waits.first = Some((since, k));
-                }
-            }
-        }
-        waits
-    }
-
-    /// When member `k` (`id`) of the current quorum is due as stalled (it made no
-    /// progress for its stall timeout) and when it is to be evicted: once due, and
-    /// once a peer has waited for half the timeout (`waits`, see `earliest_waits`).
-    /// A shorter wait is no sign of a hang (a peer's vote waiting for its lease while
-    /// this group, done with its steps, idles); a hang keeps its peers waiting from
-    /// about when it began, so the half is over before the timeout. Neither for a
-    /// group that does not report its progress, or that asks for a quorum itself
-    /// (every one of its ranks got that far); no eviction time while no peer waits.
-    fn stall_due(
-        &self,
-        k: usize,
-        id: &str,
-        waits: &EarliestWaits,
-    ) -> (Option<Instant>, Option<Instant>) {
-        let Some(training) = self.training(id) else {
-            return (None, None);
-        };
-        if self.joiners.contains_key(id) {
-            return (None, None);
-        }
-        let evict_at = waits
-            .of_others(k)
-            .map(|since| (since + training.stall_timeout / 2).max(training.due()));
-        (Some(training.due()), evict_at)
-    }
-
-    /// When a group that trained (step above 0) but is outside the current quorum is
-    /// to be evicted as stalled: a thread that hung after its vote made its group miss
-    /// the next quorum (the join timeout went on without it), so no peer waits on it
-    /// any more, yet it is hung and should be restarted. A healthy group out of the
-    /// quorum asks for the next one at once. Counted from its stream's opening too, so
-    /// that a group resumed from SIGSTOP reports its progress before it is judged.
-    fn dropped_due(&self, id: &str) -> Option<Instant> {
-        if self.joiners.contains_key(id) || self.previous.as_ref().is_some_and(|q| q.contains(id)) {
-            return None;
-        }
-        let replica = self.replicas.get(id)?;
-        let training = replica.pulse.training()?;
-        let opened_at = replica.stream.as_ref()?.opened_at;
-        (replica.pulse.step() > 0).then(|| training.due().max(opened_at + training.stall_timeout))
-    }
-
-    /// Evicts every member of the current quorum that has made no progress for its
-    /// stall timeout while another member waits on it (see `stall_due`), and every
-    /// group that dropped out of it stalled (see `dropped_due`); returns them, and
-    /// whether a member is due but waited on by nobody yet (the first peer that begins
-    /// to wait wakes the deadline task, see `Pulse::trained`).
+    /// Evicts every group stall detection finds hung (see `Stalls::judge`); returns
+    /// them, and whether a member is due but waited on by nobody yet.
     pub fn evict_stalled(&mut self, now: Instant) -> (Vec<ReplicaId>, bool) {
-        let mut overdue = false;
-        let mut stalled: Vec<ReplicaId> = self
-            .replicas
-            .keys()
-            .filter(|id| self.dropped_due(id).is_some_and(|at| at <= now))
-            .cloned()
-            .collect();
-        if let Some(quorum) = &self.previous {
-            let waits = self.earliest_waits(quorum);
-            for (k, id) in quorum.replica_ids().enumerate() {
-                match self.stall_due(k, id, &waits) {
-                    (_, Some(at)) if at <= now => stalled.push(id.to_string()),
-                    (Some(due), None) if due <= now => overdue = true,
-                    _ => {}
-                }
-            }
-        }
+        let watch = Watch {
+            replicas: &self.replicas,
+            joiners: &self.joiners,
+            quorum: self.previous.as_ref(),
+        };
+        let (stalled, overdue) = self.stalls.judge(&watch, now);
         for id in &stalled {
             tracing::warn!(
                 replica_id = id,
@@ -745,8 +660,16 @@ impl LighthouseState {
             );
             self.evict(id, Eviction::ProgressStalled, now);
         }
-        self.stall_overdue = overdue;
         (stalled, overdue)
+    }
+
+    /// The groups as stall detection reads them.
+    fn watch(&self) -> Watch<'_> {
+        Watch {
+            replicas: &self.replicas,
+            joiners: &self.joiners,
+            quorum: self.previous.as_ref(),
+        }
     }
 
     fn remember_lost(&mut self, replica_id: &str, r: Replica, cause: Eviction, now: Instant) {
@@ -1055,7 +978,7 @@ impl LighthouseState {
             return false;
         };
         if self.engine_due
-            || self.stall_overdue
+            || self.stalls.overdue()
             || now >= *until
             || self.ticker_deadline.is_none_or(|at| now >= at)
         {
@@ -1096,28 +1019,9 @@ impl LighthouseState {
             .min()
     }
 
-    /// When a member of the current quorum is next due as stalled, or due for
-    /// eviction, or a group that dropped out of it is (see `evict_stalled`): a member
-    /// due already waits for a peer to wait, which wakes the deadline task itself.
+    /// When stall detection next has a group to judge (see `stall::next_stall`).
     pub fn next_stall(&self, now: Instant) -> Option<Instant> {
-        let members = self.previous.as_ref().and_then(|quorum| {
-            let waits = self.earliest_waits(quorum);
-            quorum
-                .replica_ids()
-                .enumerate()
-                .flat_map(|(k, id)| {
-                    let (due, evict_at) = self.stall_due(k, id, &waits);
-                    [due, evict_at].into_iter().flatten().filter(|at| *at > now)
-                })
-                .min()
-        });
-        let dropped = self
-            .replicas
-            .keys()
-            .filter_map(|id| self.dropped_due(id))
-            .filter(|at| *at > now)
-            .min();
-        [members, dropped].into_iter().flatten().min()
+        stall::next_stall(&self.watch(), now)
     }
 
     pub fn waiting_until(&self) -> Option<Instant> {
@@ -1740,7 +1644,7 @@ mod tests {
         assert_eq!(s.evict_stalled(ms(8500)).0, ["a".to_string()]);
     }
 
-    /// Member `k`'s stall times as the lighthouse computed them before `earliest_waits`:
+    /// Member `k`'s stall times as the lighthouse computed them before `EarliestWaits`:
     /// every peer's wait looked up again for each member.
     fn stall_due_by_every_peer(
         s: &LighthouseState,
@@ -1748,16 +1652,17 @@ mod tests {
     ) -> (Option<Instant>, Option<Instant>) {
         let quorum = s.previous.as_ref().unwrap();
         let id = &quorum.members[k].replica_id;
+        let watch = s.watch();
         if s.joiners.contains_key(id) {
             return (None, None);
         }
-        let Some(training) = s.training(id) else {
+        let Some(training) = watch.watched(id).training else {
             return (None, None);
         };
         let evict_at = quorum
             .replica_ids()
             .filter(|peer| *peer != id.as_str())
-            .filter_map(|peer| s.waiting_since(peer))
+            .filter_map(|peer| watch.watched(peer).waiting_since())
             .min()
             .map(|since| (since + training.stall_timeout / 2).max(training.due()));
         (Some(training.due()), evict_at)
@@ -1790,10 +1695,11 @@ mod tests {
                 }
             }
             let quorum = s.previous.clone().unwrap();
-            let waits = s.earliest_waits(&quorum);
+            let watch = s.watch();
+            let waits = stall::EarliestWaits::of(&watch, &quorum);
             for (k, id) in quorum.replica_ids().enumerate() {
                 assert_eq!(
-                    s.stall_due(k, id, &waits),
+                    stall::member_due(k, &watch.watched(id), &waits),
                     stall_due_by_every_peer(&s, k),
                     "round {round}, member {id}"
                 );

@@ -1,0 +1,191 @@
+//! Stall detection: which group hangs while its peers wait on it.
+//!
+//! A group reports its training progress on every beat (see `Pulse::trained`): since
+//! when it made no progress, since when some rank of it waits on the others, and how
+//! long it may go without progress (its stall timeout). A member of the current
+//! quorum that made no progress for its stall timeout is *due*; it is evicted once
+//! due and once a peer has waited on it for half the timeout. A shorter wait is no
+//! sign of a hang (a peer's vote waiting for its lease while this group, done with
+//! its steps, idles); a hang keeps its peers waiting from about when it began, so the
+//! half is over before the timeout. A group that trained but dropped out of the
+//! quorum stalled (a thread hung after its vote, so it missed the next quorum) is
+//! evicted too, though no peer waits on it any more.
+//!
+//! Pure: the lighthouse state lends its groups through `Groups`, and every judgement
+//! takes `now`.
+
+use std::time::Instant;
+
+use super::pulse::Training;
+use crate::quorum::{Quorum, ReplicaId};
+
+/// A group as stall detection sees it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Watched {
+    /// Its training progress; none when it does not report it (or is not live).
+    pub training: Option<Training>,
+    /// When it asked for the next quorum; none while it does not ask.
+    pub asked_at: Option<Instant>,
+    /// The last step it reported.
+    pub step: i64,
+    /// When its heartbeat stream opened; none without one.
+    pub stream_opened_at: Option<Instant>,
+}
+
+impl Watched {
+    /// Since when it waits on the others: it asks for the next quorum, or some rank of
+    /// it sits in a collective, a vote or a heal.
+    pub fn waiting_since(&self) -> Option<Instant> {
+        let training = self.training.and_then(|t| t.waiting_since);
+        self.asked_at.into_iter().chain(training).min()
+    }
+}
+
+/// What stall detection reads of the lighthouse: the current quorum and its groups.
+pub trait Groups {
+    fn quorum(&self) -> Option<&Quorum>;
+    /// Every live group.
+    fn ids(&self) -> Box<dyn Iterator<Item = &str> + '_>;
+    fn watched(&self, replica_id: &str) -> Watched;
+}
+
+/// Stall detection's memory between two looks.
+#[derive(Debug, Default)]
+pub struct Stalls {
+    /// A member of the current quorum is due as stalled and no peer waits on it yet:
+    /// the next request to join makes a peer wait, so it runs the stall check.
+    overdue: bool,
+}
+
+impl Stalls {
+    pub fn overdue(&self) -> bool {
+        self.overdue
+    }
+
+    /// The groups to evict as stalled at `now`: every member of the current quorum
+    /// due and waited on (see `member_due`), and every group that dropped out of it
+    /// stalled (see `dropped_due`). Remembers, and returns, whether a member is due
+    /// but waited on by nobody yet (the first peer that begins to wait wakes the
+    /// deadline task, see `Pulse::trained`).
+    pub fn judge(&mut self, groups: &impl Groups, now: Instant) -> (Vec<ReplicaId>, bool) {
+        let mut overdue = false;
+        let mut stalled: Vec<ReplicaId> = groups
+            .ids()
+            .filter(|id| dropped_due(groups, id).is_some_and(|at| at <= now))
+            .map(str::to_string)
+            .collect();
+        if let Some(quorum) = groups.quorum() {
+            let waits = EarliestWaits::of(groups, quorum);
+            for (k, id) in quorum.replica_ids().enumerate() {
+                match member_due(k, &groups.watched(id), &waits) {
+                    (_, Some(at)) if at <= now => stalled.push(id.to_string()),
+                    (Some(due), None) if due <= now => overdue = true,
+                    _ => {}
+                }
+            }
+        }
+        self.overdue = overdue;
+        (stalled, overdue)
+    }
+}
+
+/// When a member of the current quorum is next due as stalled, or due for eviction,
+/// or a group that dropped out of it is (see `Stalls::judge`): a member due already
+/// waits for a peer to wait, which wakes the deadline task itself.
+pub fn next_stall(groups: &impl Groups, now: Instant) -> Option<Instant> {
+    let members = groups.quorum().and_then(|quorum| {
+        let waits = EarliestWaits::of(groups, quorum);
+        quorum
+            .replica_ids()
+            .enumerate()
+            .flat_map(|(k, id)| {
+                let (due, evict_at) = member_due(k, &groups.watched(id), &waits);
+                [due, evict_at].into_iter().flatten().filter(|at| *at > now)
+            })
+            .min()
+    });
+    let dropped = groups
+        .ids()
+        .filter_map(|id| dropped_due(groups, id))
+        .filter(|at| *at > now)
+        .min();
+    [members, dropped].into_iter().flatten().min()
+}
+
+/// The two earliest waits among a quorum's members (see `Watched::waiting_since`):
+/// the earliest with the index of its member, and the next. Each member's stall is
+/// judged by the earliest wait of the others, and with the two earliest at hand that
+/// takes no second pass over them.
+#[derive(Default)]
+pub struct EarliestWaits {
+    first: Option<(Instant, usize)>,
+    second: Option<Instant>,
+}
+
+impl EarliestWaits {
+    /// Found in one pass over the members of `quorum`.
+    pub fn of(groups: &impl Groups, quorum: &Quorum) -> Self {
+        let mut waits = EarliestWaits::default();
+        for (k, id) in quorum.replica_ids().enumerate() {
+            let Some(since) = groups.watched(id).waiting_since() else {
+                continue;
+            };
+            match waits.first {
+                Some((first, _)) if first <= since => {
+                    waits.second = Some(waits.second.map_or(since, |s| s.min(since)));
+                }
+                _ => {
+                    waits.second = waits.first.map(|(first, _)| first);
+                    waits.first = Some((since, k));
+                }
+            }
+        }
+        waits
+    }
+
+    /// The earliest wait of a member other than member `k`.
+    fn of_others(&self, k: usize) -> Option<Instant> {
+        match self.first {
+            Some((_, who)) if who == k => self.second,
+            first => first.map(|(since, _)| since),
+        }
+    }
+}
+
+/// When member `k` (`member`) of the current quorum is due as stalled (it made no
+/// progress for its stall timeout) and when it is to be evicted: once due, and once a
+/// peer has waited for half the timeout (`waits`). Neither for a group that does not
+/// report its progress, or that asks for a quorum itself (every one of its ranks got
+/// that far); no eviction time while no peer waits.
+pub fn member_due(
+    k: usize,
+    member: &Watched,
+    waits: &EarliestWaits,
+) -> (Option<Instant>, Option<Instant>) {
+    let Some(training) = member.training else {
+        return (None, None);
+    };
+    if member.asked_at.is_some() {
+        return (None, None);
+    }
+    let evict_at = waits
+        .of_others(k)
+        .map(|since| (since + training.stall_timeout / 2).max(training.due()));
+    (Some(training.due()), evict_at)
+}
+
+/// When a group that trained (step above 0) but is outside the current quorum is to
+/// be evicted as stalled: a thread that hung after its vote made its group miss the
+/// next quorum (the join timeout went on without it), so no peer waits on it any
+/// more, yet it is hung and should be restarted. A healthy group out of the quorum
+/// asks for the next one at once. Counted from its stream's opening too, so that a
+/// group resumed from SIGSTOP reports its progress before it is judged.
+fn dropped_due(groups: &impl Groups, id: &str) -> Option<Instant> {
+    let group = groups.watched(id);
+    if group.asked_at.is_some() || groups.quorum().is_some_and(|q| q.contains(id)) {
+        return None;
+    }
+    let training = group.training?;
+    let opened_at = group.stream_opened_at?;
+    (group.step > 0).then(|| training.due().max(opened_at + training.stall_timeout))
+}
