@@ -10,7 +10,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
-use super::state::{Eviction, Snapshot};
+use super::history::Eviction;
+use super::state::Snapshot;
 use crate::gate::Refusals;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -155,7 +156,7 @@ type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// The per-group series an operator alerts on, made afresh from a snapshot at each
 /// scrape: a group's series are there while it is live or recently lost (see
-/// `state::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
+/// `history::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
 fn group_registry(snapshot: &Snapshot) -> Registry {
     let live = Family::<GroupLabels, Gauge>::default();
     let step = Family::<GroupLabels, Gauge>::default();
@@ -373,7 +374,8 @@ pub fn prometheus_text(openmetrics: &str) -> String {
 mod tests {
     use super::*;
     use crate::gate::Refusal;
-    use crate::lighthouse::state::{History, Losses, LostSnapshot, ReplicaSnapshot};
+    use crate::lighthouse::history::{History, Losses};
+    use crate::lighthouse::state::{LostSnapshot, ReplicaSnapshot};
     use crate::lighthouse::tally::Tally;
     use crate::proto::GroupTally;
 

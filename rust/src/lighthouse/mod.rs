@@ -2,6 +2,7 @@
 //! replica group through its heartbeat stream, and serves a status page and metrics.
 
 pub mod client;
+mod history;
 mod http;
 pub mod leadership;
 mod metrics;

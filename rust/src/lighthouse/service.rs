@@ -16,10 +16,11 @@ use tokio_stream::Stream;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::history::Eviction;
 use super::leadership::quorum_id_floor;
 use super::metrics::{Metrics, Via};
 use super::set::Seat;
-use super::state::{Eviction, LighthouseState};
+use super::state::LighthouseState;
 use crate::door::Ticket;
 use crate::gate::{self, Refusal};
 use crate::proto::{self, lighthouse_server::Lighthouse};

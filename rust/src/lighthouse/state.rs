@@ -5,7 +5,7 @@
 //! Every method takes `now`, so the transitions are tested without sockets or sleeps.
 //! The server (`service.rs`) holds this behind one mutex and never awaits inside it.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,160 +15,19 @@ use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 
+use super::history::{
+    stepping, Eviction, History, Lost, LostGroups, Rollback, Rollbacks, StepSamples, LOST_KEPT,
+    LOST_KEPT_FOR,
+};
 use super::newest::NewestState;
 use super::pulse::Pulse;
 use super::stall::{self, Groups, Stalls, Watched};
-use super::tally::Tally;
 use crate::gate::RefusalCounts;
 use crate::proto;
 use crate::quorum::{
     self, Decision, Identity, Joiner, LiveSet, Quorum, QuorumConfig, QuorumId, ReplicaId,
     WaitReason,
 };
-
-/// The rollbacks the status page lists (every one is counted in `/metrics`).
-pub const ROLLBACKS_KEPT: usize = 16;
-
-/// A quorum that started a new lineage, because no group holding the job's newest
-/// state could come back.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Rollback {
-    pub quorum_id: QuorumId,
-    /// The newest state, given up.
-    pub from: Identity,
-    /// Where the new lineage starts.
-    pub to: Identity,
-    /// Committed steps lost: `from.step - to.step` (0 when only the commit quorum of
-    /// one step differs).
-    pub steps_lost: u64,
-    /// When it was issued (Unix time, ms).
-    pub unix_ms: i64,
-}
-
-/// Lost groups stay on the status page (and in `/metrics`) this long, and at most
-/// `LOST_KEPT` of them: long enough to see what happened over a coffee break, few
-/// enough that a job losing groups in a loop keeps a bounded page and label set.
-pub const LOST_KEPT_FOR: Duration = Duration::from_secs(600);
-pub const LOST_KEPT: usize = 32;
-
-/// A group's step rate is measured over about this long: long enough to span a few
-/// samples of the deadline task (it looks about once per heartbeat timeout), short
-/// enough to show a slowdown within a minute.
-const STEP_RATE_WINDOW: Duration = Duration::from_secs(30);
-/// Samples closer together than this add nothing to the rate but memory.
-const STEP_SAMPLE_SPACING: Duration = Duration::from_secs(1);
-
-/// Why a replica group was declared dead.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Eviction {
-    /// Its heartbeat stream dropped: the process died or its connection was reset.
-    StreamBroken,
-    /// Connected but silent for longer than the heartbeat timeout: hung.
-    HeartbeatTimeout,
-    /// Beating, but its training made no progress for its stall timeout while a peer
-    /// waited on it: a hung training thread.
-    ProgressStalled,
-}
-
-impl Eviction {
-    pub const ALL: [Eviction; 3] = [
-        Eviction::StreamBroken,
-        Eviction::HeartbeatTimeout,
-        Eviction::ProgressStalled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Eviction::StreamBroken => "stream_broken",
-            Eviction::HeartbeatTimeout => "heartbeat_timeout",
-            Eviction::ProgressStalled => "progress_stalled",
-        }
-    }
-}
-
-impl serde::Serialize for Eviction {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.as_str())
-    }
-}
-
-/// How often a replica id was declared dead, by cause.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Losses {
-    pub stream_broken: u64,
-    pub heartbeat_timeout: u64,
-    pub progress_stalled: u64,
-}
-
-impl Losses {
-    pub fn of(&self, cause: Eviction) -> u64 {
-        match cause {
-            Eviction::StreamBroken => self.stream_broken,
-            Eviction::HeartbeatTimeout => self.heartbeat_timeout,
-            Eviction::ProgressStalled => self.progress_stalled,
-        }
-    }
-
-    fn count(&mut self, cause: Eviction) {
-        match cause {
-            Eviction::StreamBroken => self.stream_broken += 1,
-            Eviction::HeartbeatTimeout => self.heartbeat_timeout += 1,
-            Eviction::ProgressStalled => self.progress_stalled += 1,
-        }
-    }
-}
-
-/// What the lighthouse remembers of a replica id across its deaths. It travels with the
-/// group, live or recently lost, and is forgotten with it: a group that comes back
-/// after `LOST_KEPT_FOR` starts from zero, as a new one.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct History {
-    pub losses: Losses,
-    /// Times it came back (the same replica id heartbeating or asking for a quorum
-    /// again) after being declared dead: restarts, or a hung group waking up.
-    pub returns: u64,
-    #[serde(flatten)]
-    pub tally: Tally,
-}
-
-/// The steps a group reported, sampled by the deadline task: beats bypass the lock, so
-/// the state sees a group's progress only when it looks.
-#[derive(Debug, Default)]
-struct StepSamples(VecDeque<(Instant, i64)>);
-
-impl StepSamples {
-    /// `step` as reported by the beat at `at`; samples older than the window go.
-    fn record(&mut self, at: Instant, step: i64, now: Instant) {
-        if self
-            .0
-            .back()
-            .is_some_and(|&(last, _)| at < last + STEP_SAMPLE_SPACING)
-        {
-            return;
-        }
-        self.0.push_back((at, step));
-        while self
-            .0
-            .front()
-            .is_some_and(|&(t, _)| now.saturating_duration_since(t) > STEP_RATE_WINDOW)
-        {
-            self.0.pop_front();
-        }
-    }
-
-    /// Steps per second from the oldest sample within the window to `latest`; none
-    /// until a second of beats has been seen, or when the step went back.
-    fn rate(&self, latest: (Instant, i64), now: Instant) -> Option<f64> {
-        let &(from, first) = self
-            .0
-            .iter()
-            .find(|&&(t, _)| now.saturating_duration_since(t) <= STEP_RATE_WINDOW)?;
-        let (to, last) = latest;
-        let span = to.checked_duration_since(from)?;
-        (span >= STEP_SAMPLE_SPACING && last >= first)
-            .then(|| (last - first) as f64 / span.as_secs_f64())
-    }
-}
 
 /// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
 pub type QuorumReply = Result<Bytes, Status>;
@@ -192,20 +51,6 @@ struct Replica {
     last_commit: Instant,
 }
 
-/// A group declared dead, kept for the status page (see `LOST_KEPT_FOR`).
-struct Lost {
-    replica_id: ReplicaId,
-    cause: Eviction,
-    at: Instant,
-    /// The last step it reported.
-    step: i64,
-    /// It was a member of the quorum current when it died.
-    was_member: bool,
-    /// Where its heartbeat stream came from (empty: it had none).
-    peer: String,
-    history: History,
-}
-
 struct PendingJoin {
     ticket: u64,
     reply: oneshot::Sender<QuorumReply>,
@@ -225,8 +70,8 @@ pub struct LighthouseState {
     heartbeat_timeout: Duration,
     /// The job's newest committed state and its holders (invariant I11).
     newest: NewestState,
-    /// The job's rollbacks, oldest first (at most `ROLLBACKS_KEPT`).
-    rollbacks: VecDeque<Rollback>,
+    /// The job's rollbacks.
+    rollbacks: Rollbacks,
     replicas: HashMap<ReplicaId, Replica>,
     joiners: BTreeMap<ReplicaId, Joiner>,
     pending: HashMap<ReplicaId, PendingJoin>,
@@ -252,8 +97,8 @@ pub struct LighthouseState {
     engine_due: bool,
     /// Stall detection (see `stall.rs`).
     stalls: Stalls,
-    /// Groups declared dead recently, oldest first.
-    lost: VecDeque<Lost>,
+    /// Groups declared dead recently.
+    lost: LostGroups,
     /// When some group last committed a step, or when the lighthouse started.
     last_commit: Instant,
     /// When the background task is set to wake; lets handlers wake it only when an
@@ -319,7 +164,7 @@ impl LighthouseState {
             config,
             heartbeat_timeout,
             newest: NewestState::new(rollback_after),
-            rollbacks: VecDeque::new(),
+            rollbacks: Rollbacks::default(),
             replicas: HashMap::new(),
             joiners: BTreeMap::new(),
             pending: HashMap::new(),
@@ -334,7 +179,7 @@ impl LighthouseState {
             late_cursor: 0,
             engine_due: false,
             stalls: Stalls::default(),
-            lost: VecDeque::new(),
+            lost: LostGroups::default(),
             last_commit: epoch,
             ticker_deadline: None,
         }
@@ -421,7 +266,7 @@ impl LighthouseState {
             None => {
                 let pulse = self.new_pulse(now, step);
                 pulse.beat(now, step, last_quorum_id);
-                let history = self.returned(replica_id);
+                let history = self.lost.returned(replica_id);
                 self.replicas.insert(
                     replica_id.to_string(),
                     Replica {
@@ -434,16 +279,6 @@ impl LighthouseState {
                 );
             }
         }
-    }
-
-    /// The history of a replica id that is live again: a return, if it was lost.
-    fn returned(&mut self, replica_id: &str) -> History {
-        let Some(at) = self.lost.iter().position(|l| l.replica_id == replica_id) else {
-            return History::default();
-        };
-        let mut history = self.lost.remove(at).map(|l| l.history).unwrap_or_default();
-        history.returns += 1;
-        history
     }
 
     /// A live group reported what it did: its totals (steps, heals) and its refusals
@@ -525,7 +360,7 @@ impl LighthouseState {
                 known.pulse.retire();
                 (known.history, known.steps, known.last_commit)
             }
-            None => (self.returned(id), StepSamples::default(), now),
+            None => (self.lost.returned(id), StepSamples::default(), now),
         };
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
@@ -673,9 +508,7 @@ impl LighthouseState {
     }
 
     fn remember_lost(&mut self, replica_id: &str, r: Replica, cause: Eviction, now: Instant) {
-        let mut history = r.history;
-        history.losses.count(cause);
-        self.lost.push_back(Lost {
+        let lost = Lost {
             replica_id: replica_id.to_string(),
             cause,
             at: now,
@@ -685,21 +518,9 @@ impl LighthouseState {
                 .as_ref()
                 .is_some_and(|q| q.contains(replica_id)),
             peer: r.stream.map(|s| s.peer).unwrap_or_default(),
-            history,
-        });
-        self.forget_lost(now);
-    }
-
-    /// Drops lost groups beyond `LOST_KEPT` or older than `LOST_KEPT_FOR`.
-    fn forget_lost(&mut self, now: Instant) {
-        while self.lost.len() > LOST_KEPT
-            || self
-                .lost
-                .front()
-                .is_some_and(|l| now.saturating_duration_since(l.at) > LOST_KEPT_FOR)
-        {
-            self.lost.pop_front();
-        }
+            history: r.history,
+        };
+        self.lost.remember(lost, now);
     }
 
     /// Records every group's step for its step rate, and forgets lost groups that are
@@ -715,7 +536,7 @@ impl LighthouseState {
                 r.steps = StepSamples::default();
             }
         }
-        self.forget_lost(now);
+        self.lost.forget(now);
     }
 
     /// The lighthouse is stopping: fails every waiting request and ends every heartbeat
@@ -852,10 +673,7 @@ impl LighthouseState {
         );
         self.newest
             .rolled_back(to, start.iter().map(|m| m.replica_id.as_str()), now);
-        if self.rollbacks.len() == ROLLBACKS_KEPT {
-            self.rollbacks.pop_front();
-        }
-        self.rollbacks.push_back(Rollback {
+        self.rollbacks.push(Rollback {
             quorum_id: quorum.id,
             from,
             to,
@@ -1080,9 +898,7 @@ impl LighthouseState {
         }
         let lost = self
             .lost
-            .iter()
-            .rev()
-            .filter(|l| now.saturating_duration_since(l.at) <= LOST_KEPT_FOR)
+            .recent(now)
             .map(|l| LostSnapshot {
                 replica_id: l.replica_id.clone(),
                 cause: l.cause,
@@ -1163,13 +979,6 @@ impl LighthouseState {
 
 fn ms_since(then: Instant, now: Instant) -> u64 {
     now.saturating_duration_since(then).as_millis() as u64
-}
-
-/// Whether a group trains, as far as its steps tell: a member of the current quorum at
-/// or above the quorum's max step. A heal, or a restarted group's first quorum, moves
-/// its step by a jump that says nothing of its speed; its rate starts from there.
-fn stepping(quorum: Option<&Quorum>, replica_id: &str, step: i64, max_step: i64) -> bool {
-    quorum.is_some_and(|q| q.contains(replica_id)) && step >= max_step
 }
 
 /// Whether member `k` of a quorum, whose own work per step takes `times[k]`, is far
@@ -1265,6 +1074,7 @@ pub struct LostSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lighthouse::history::Losses;
 
     fn state() -> LighthouseState {
         LighthouseState::new(
@@ -1974,7 +1784,7 @@ mod tests {
             (rate - (2.0 * 20.0 + 10.0 * 10.0) / 30.0).abs() < 1e-9,
             "{rate}"
         );
-        assert!(s.replicas["a"].steps.0.len() <= 32);
+        assert!(s.replicas["a"].steps.kept() <= 32);
     }
 
     #[test]
