@@ -11,7 +11,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::history::Eviction;
-use super::state::Snapshot;
+use super::snapshot::Snapshot;
 use crate::gate::Refusals;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -375,7 +375,7 @@ mod tests {
     use super::*;
     use crate::gate::Refusal;
     use crate::lighthouse::history::{History, Losses};
-    use crate::lighthouse::state::{LostSnapshot, ReplicaSnapshot};
+    use crate::lighthouse::snapshot::{LostSnapshot, ReplicaSnapshot};
     use crate::lighthouse::tally::Tally;
     use crate::proto::GroupTally;
 

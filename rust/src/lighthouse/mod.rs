@@ -10,6 +10,7 @@ mod newest;
 mod pulse;
 mod service;
 pub mod set;
+mod snapshot;
 mod stall;
 pub mod state;
 mod tally;

@@ -21,6 +21,7 @@ use super::history::{
 };
 use super::newest::NewestState;
 use super::pulse::Pulse;
+use super::snapshot::{mark_stragglers, ms_since, LostSnapshot, ReplicaSnapshot, Snapshot};
 use super::stall::{self, Groups, Stalls, Watched};
 use crate::gate::RefusalCounts;
 use crate::proto;
@@ -886,28 +887,11 @@ impl LighthouseState {
             .map(|(id, r)| self.replica_snapshot(id, r, max_step, now))
             .collect();
         replicas.sort_by(|a, b| a.replica_id.cmp(&b.replica_id));
-        let members: Vec<(usize, Duration)> = replicas
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.in_quorum)
-            .filter_map(|(i, r)| Some((i, Duration::from_millis(r.step_time_ms?))))
-            .collect();
-        let times: Vec<Duration> = members.iter().map(|(_, t)| *t).collect();
-        for (k, (i, _)) in members.iter().enumerate() {
-            replicas[*i].straggler = straggler(&times, k);
-        }
+        mark_stragglers(&mut replicas);
         let lost = self
             .lost
             .recent(now)
-            .map(|l| LostSnapshot {
-                replica_id: l.replica_id.clone(),
-                cause: l.cause,
-                lost_ms_ago: now.saturating_duration_since(l.at).as_millis() as u64,
-                step: l.step,
-                was_member: l.was_member,
-                peer: l.peer.clone(),
-                history: l.history.clone(),
-            })
+            .map(|l| LostSnapshot::of(l, now))
             .collect();
         Snapshot {
             quorum_id: self.previous.as_ref().map_or(0, |q| q.id),
@@ -975,100 +959,6 @@ impl LighthouseState {
             history: r.history.clone(),
         }
     }
-}
-
-fn ms_since(then: Instant, now: Instant) -> u64 {
-    now.saturating_duration_since(then).as_millis() as u64
-}
-
-/// Whether member `k` of a quorum, whose own work per step takes `times[k]`, is far
-/// slower than the others: at least twice their median and 100 ms more. In a
-/// synchronous job every group's wall time per step is the slowest one's, so only the
-/// time a group spends on its own work, waits on the others left out, tells who
-/// holds the others up.
-pub fn straggler(times: &[Duration], k: usize) -> bool {
-    let mut others: Vec<Duration> = times
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != k)
-        .map(|(_, t)| *t)
-        .collect();
-    if others.is_empty() {
-        return false;
-    }
-    others.sort();
-    let median = others[others.len() / 2];
-    times[k] >= median * 2 && times[k] >= median + Duration::from_millis(100)
-}
-
-/// The lighthouse as the status page, `/status` and the `Status` RPC show it.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Snapshot {
-    pub quorum_id: QuorumId,
-    pub quorum_members: Vec<ReplicaId>,
-    /// The highest step among the current quorum's members when it was issued.
-    pub max_step: i64,
-    /// Live groups, by replica id.
-    pub replicas: Vec<ReplicaSnapshot>,
-    /// Groups declared dead recently, most recent first.
-    pub lost: Vec<LostSnapshot>,
-    /// Why the next quorum is not issued yet; empty when nobody is waiting.
-    pub waiting_for: String,
-    pub quorums_issued: u64,
-    pub min_replicas: u32,
-    pub join_timeout_ms: u64,
-    pub heartbeat_timeout_ms: u64,
-    /// How long, and how many, lost groups are kept.
-    pub lost_kept_for_ms: u64,
-    pub lost_kept: u32,
-    /// Since some group last committed a step (or since the lighthouse started).
-    pub last_commit_age_ms: u64,
-    /// The job's newest committed state, as far as this lighthouse knows.
-    pub newest: Option<Identity>,
-    /// The job's rollbacks (new lineages), most recent first.
-    pub rollbacks: Vec<Rollback>,
-}
-
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct ReplicaSnapshot {
-    pub replica_id: ReplicaId,
-    pub connected: bool,
-    /// Asking for a quorum now.
-    pub joined: bool,
-    pub in_quorum: bool,
-    pub step: i64,
-    /// A member of the current quorum still below its max step: catching up.
-    pub healing: bool,
-    /// Steps per second over the last half minute or so, while it is a member of the
-    /// quorum and not healing; none until measured.
-    pub step_rate: Option<f64>,
-    pub heartbeat_age_ms: u64,
-    /// Since it last committed a step (or since it appeared).
-    pub last_commit_age_ms: u64,
-    /// How long it has made no training progress (a wait on the other groups within
-    /// its deadline counts as progress); none when it does not report it.
-    pub progress_age_ms: Option<u64>,
-    /// Its slowest rank's own work in its last step, waits on the others left out.
-    pub step_time_ms: Option<u64>,
-    /// A member far slower than the other members (see `straggler`).
-    pub straggler: bool,
-    pub peer: String,
-    #[serde(flatten)]
-    pub history: History,
-}
-
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct LostSnapshot {
-    pub replica_id: ReplicaId,
-    pub cause: Eviction,
-    pub lost_ms_ago: u64,
-    /// The last step it reported.
-    pub step: i64,
-    /// It was a member of the quorum current when it died.
-    pub was_member: bool,
-    pub peer: String,
-    #[serde(flatten)]
-    pub history: History,
 }
 
 #[cfg(test)]
@@ -1306,18 +1196,6 @@ mod tests {
         assert!(b.beat(ms(9100), 7, 1));
         trained(&b, ms(9100), 0, 0);
         assert_eq!(s.evict_stalled(ms(14000)), (vec![], false), "it moved");
-    }
-
-    #[test]
-    fn a_straggler_is_at_least_twice_the_others_median_and_100_ms_more() {
-        let d = Duration::from_millis;
-        assert!(straggler(&[d(200), d(210), d(900)], 2));
-        assert!(!straggler(&[d(200), d(210), d(900)], 0));
-        assert!(
-            !straggler(&[d(20), d(21), d(60)], 2),
-            "fast steps need 100 ms more"
-        );
-        assert!(!straggler(&[d(900)], 0), "alone, nobody is slower");
     }
 
     /// A small deterministic generator: the scenarios below vary without a seed to chase.
