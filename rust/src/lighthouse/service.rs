@@ -19,6 +19,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::history::Eviction;
 use super::leadership::quorum_id_floor;
 use super::metrics::{Metrics, Via};
+use super::pulse::Pulse;
 use super::set::Seat;
 use super::state::LighthouseState;
 use crate::door::Ticket;
@@ -333,6 +334,131 @@ impl Joined {
     }
 }
 
+/// A heartbeat stream's first beat, within the heartbeat timeout and valid: it names
+/// the group, so nothing is opened for a stream that sends none.
+async fn first_beat(
+    shared: &Shared,
+    inbound: &mut Streaming<proto::Beat>,
+    heartbeat_timeout: Duration,
+) -> Result<proto::Beat, Status> {
+    let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
+        Ok(Ok(Some(beat))) => beat,
+        Ok(Ok(None)) => return Err(Status::invalid_argument("heartbeat stream without a beat")),
+        Ok(Err(status)) => return Err(status),
+        Err(_) => {
+            return Err(Status::deadline_exceeded(
+                "no first heartbeat within the heartbeat timeout",
+            ))
+        }
+    };
+    let checked = validate::protocol_version(first.protocol_version).and_then(|_| {
+        validate::replica_id(&first.replica_id)?;
+        validate::beat(&first)
+    });
+    refuse(shared, Refusal::Invalid, checked)?;
+    Ok(first)
+}
+
+/// Where a heartbeat stream's acknowledgements go: its response stream, held weakly
+/// (see `heartbeat`).
+struct Acks {
+    events: mpsc::WeakSender<Result<proto::LighthouseEvent, Status>>,
+    lease_ms: u64,
+}
+
+impl Acks {
+    /// Acknowledges beat `seq` with a lease; false once the stream is gone. A full
+    /// queue means the group is not reading; it holds no lease then.
+    fn send(&self, seq: u64, quorum_id: u64) -> bool {
+        match self.events.upgrade() {
+            Some(events) => {
+                let _ = events.try_send(lease(seq, quorum_id, self.lease_ms));
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A heartbeat stream after its first beat.
+struct BeatTask {
+    shared: Arc<Shared>,
+    inbound: Streaming<proto::Beat>,
+    pulse: Arc<Pulse>,
+    replica_id: String,
+    stream_id: u64,
+    acks: Acks,
+    /// The stream's quorum request still waiting, if any; withdrawn with the stream.
+    _asking: Option<AbortOnDropHandle<()>>,
+}
+
+impl BeatTask {
+    /// Ends when the group's side closes or breaks, or at its first beat once it was
+    /// evicted or the lighthouse stopped (both retire the pulse, and the stream's
+    /// response ends with this task).
+    async fn run(mut self) {
+        loop {
+            match self.inbound.message().await {
+                Ok(Some(beat)) => {
+                    if !self.beat(beat) {
+                        return;
+                    }
+                }
+                Ok(None) | Err(_) => return self.closed(),
+            }
+        }
+    }
+
+    /// The hot path: no lock, a few atomic operations and one ack. False: the stream
+    /// ends.
+    fn beat(&mut self, mut beat: proto::Beat) -> bool {
+        if validate::beat(&beat).is_err()
+            || !self
+                .pulse
+                .beat(Instant::now(), beat.step, beat.last_quorum_id)
+        {
+            return false;
+        }
+        let ask = beat.ask.take();
+        // An ask on its own (seq 0) is a sign of life that reports nothing else; its
+        // answer acknowledges it.
+        if beat.seq != 0 || ask.is_none() {
+            self.shared.metrics.heartbeats.inc();
+            if !self.acks.send(beat.seq, self.pulse.lease_quorum()) {
+                return false;
+            }
+            if self.pulse.trained(Instant::now(), &beat) && self.shared.stall_overdue.load(Relaxed)
+            {
+                self.shared.wake.notify_one();
+            }
+            self.shared.report(&self.replica_id, &beat);
+        }
+        if let Some(ask) = ask {
+            self._asking = Some(self.shared.answer_ask(
+                &self.replica_id,
+                ask,
+                beat.last_quorum_id,
+                self.acks.events.clone(),
+            ));
+        }
+        true
+    }
+
+    /// The group's side closed or broke: it is dead.
+    fn closed(&self) {
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        if let Some(cause) = st.close_stream(&self.replica_id, self.stream_id, Instant::now()) {
+            shared.evicted(cause);
+            tracing::info!(
+                replica_id = self.replica_id,
+                "heartbeat stream closed: replica group is dead"
+            );
+        }
+        shared.evaluate(&mut st, Instant::now());
+    }
+}
+
 /// The acknowledgement of beat `seq` (see `proto::Lease`).
 fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEvent, Status> {
     Ok(proto::LighthouseEvent {
@@ -379,6 +505,9 @@ impl Lighthouse for LighthouseService {
 
     type HeartbeatStream = EventStream;
 
+    /// A group's heartbeat stream: its first beat names the group and opens the stream
+    /// in the state (see `first_beat`); a task of its own takes the beats that follow
+    /// (see `BeatTask`).
     async fn heartbeat(
         &self,
         request: Request<Streaming<proto::Beat>>,
@@ -389,30 +518,15 @@ impl Lighthouse for LighthouseService {
             .map_or_else(|| "unknown".to_string(), |t| t.peer().to_string());
         let mut inbound = request.into_inner();
         let heartbeat_timeout = self.shared.lock().heartbeat_timeout();
-        let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
-            Ok(Ok(Some(beat))) => beat,
-            Ok(Ok(None)) => {
-                return Err(Status::invalid_argument("heartbeat stream without a beat"))
-            }
-            Ok(Err(status)) => return Err(status),
-            Err(_) => {
-                return Err(Status::deadline_exceeded(
-                    "no first heartbeat within the heartbeat timeout",
-                ))
-            }
-        };
-        let checked = validate::protocol_version(first.protocol_version).and_then(|_| {
-            validate::replica_id(&first.replica_id)?;
-            validate::beat(&first)
-        });
-        refuse(&self.shared, Refusal::Invalid, checked)?;
+        let first = first_beat(&self.shared, &mut inbound, heartbeat_timeout).await?;
 
         let (events_tx, events_rx) = mpsc::channel(16);
         // Weak: the state holds the stream's one strong sender, so that evicting the
         // group ends its response stream at once, beats or no beats.
-        let acks = events_tx.downgrade();
-        let answers = acks.clone();
-        let lease_ms = heartbeat_timeout.as_millis() as u64;
+        let acks = Acks {
+            events: events_tx.downgrade(),
+            lease_ms: heartbeat_timeout.as_millis() as u64,
+        };
         let (stream_id, pulse) = {
             let mut st = self.shared.lock();
             let now = Instant::now();
@@ -426,78 +540,24 @@ impl Lighthouse for LighthouseService {
             opened
         };
         self.shared.metrics.heartbeats.inc();
-        // A full queue means the group is not reading; it holds no lease then.
-        let acknowledge = move |seq: u64, quorum_id: u64| match acks.upgrade() {
-            Some(events) => {
-                let _ = events.try_send(lease(seq, quorum_id, lease_ms));
-                true
-            }
-            None => false,
-        };
-        acknowledge(first.seq, pulse.lease_quorum());
+        acks.send(first.seq, pulse.lease_quorum());
         pulse.trained(Instant::now(), &first);
         self.shared.report(&first.replica_id, &first);
         let replica_id = first.replica_id.clone();
-        // The stream's quorum request still waiting, if any; withdrawn with the stream.
-        let mut _asking = first.ask.map(|ask| {
+        let asking = first.ask.map(|ask| {
             self.shared
-                .answer_ask(&replica_id, ask, first.last_quorum_id, answers.clone())
+                .answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
         });
-
-        let shared = self.shared.clone();
-        // Ends when the group's side closes or breaks, or at its first beat once it was
-        // evicted or the lighthouse stopped (both retire the pulse, and the stream's
-        // response ends with this task).
-        tokio::spawn(async move {
-            loop {
-                match inbound.message().await {
-                    // The hot path: no lock, a few atomic operations and one ack.
-                    Ok(Some(mut beat)) => {
-                        if validate::beat(&beat).is_err()
-                            || !pulse.beat(Instant::now(), beat.step, beat.last_quorum_id)
-                        {
-                            return;
-                        }
-                        let ask = beat.ask.take();
-                        // An ask on its own (seq 0) is a sign of life that reports
-                        // nothing else; its answer acknowledges it.
-                        if beat.seq != 0 || ask.is_none() {
-                            shared.metrics.heartbeats.inc();
-                            if !acknowledge(beat.seq, pulse.lease_quorum()) {
-                                return;
-                            }
-                            if pulse.trained(Instant::now(), &beat)
-                                && shared.stall_overdue.load(Relaxed)
-                            {
-                                shared.wake.notify_one();
-                            }
-                            shared.report(&replica_id, &beat);
-                        }
-                        if let Some(ask) = ask {
-                            _asking = Some(shared.answer_ask(
-                                &replica_id,
-                                ask,
-                                beat.last_quorum_id,
-                                answers.clone(),
-                            ));
-                        }
-                    }
-                    Ok(None) | Err(_) => {
-                        let mut st = shared.lock();
-                        if let Some(cause) = st.close_stream(&replica_id, stream_id, Instant::now())
-                        {
-                            shared.evicted(cause);
-                            tracing::info!(
-                                replica_id,
-                                "heartbeat stream closed: replica group is dead"
-                            );
-                        }
-                        shared.evaluate(&mut st, Instant::now());
-                        return;
-                    }
-                }
-            }
-        });
+        let task = BeatTask {
+            shared: self.shared.clone(),
+            inbound,
+            pulse,
+            replica_id,
+            stream_id,
+            acks,
+            _asking: asking,
+        };
+        tokio::spawn(task.run());
         Ok(Response::new(Box::pin(ReceiverStream::new(events_rx))))
     }
 
