@@ -8,10 +8,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 
-use super::history::Eviction;
-use super::snapshot::Snapshot;
+use super::history::{Eviction, History};
+use super::snapshot::{ReplicaSnapshot, Snapshot};
 use crate::gate::Refusals;
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -154,187 +154,238 @@ const EOF: &str = "# EOF\n";
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
-/// The per-group series an operator alerts on, made afresh from a snapshot at each
-/// scrape: a group's series are there while it is live or recently lost (see
-/// `history::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
-fn group_registry(snapshot: &Snapshot) -> Registry {
-    let live = Family::<GroupLabels, Gauge>::default();
-    let step = Family::<GroupLabels, Gauge>::default();
-    let step_rate = Family::<GroupLabels, FloatGauge>::default();
-    let healing = Family::<GroupLabels, Gauge>::default();
-    let heartbeat_age = Family::<GroupLabels, FloatGauge>::default();
-    let last_commit_age = Family::<GroupLabels, FloatGauge>::default();
-    let progress_age = Family::<GroupLabels, FloatGauge>::default();
-    let step_time = Family::<GroupLabels, FloatGauge>::default();
-    let straggler = Family::<GroupLabels, Gauge>::default();
-    let losses = Family::<GroupLabels, Counter>::default();
-    let returns = Family::<GroupLabels, Counter>::default();
-    let committed = Family::<GroupLabels, Counter>::default();
-    let failed = Family::<GroupLabels, Counter>::default();
-    let heals = Family::<GroupLabels, Counter>::default();
-    let healed_bytes = Family::<GroupLabels, Counter>::default();
-    let refused = Family::<GroupLabels, Counter>::default();
-    let group = |id: &str| vec![("replica_id", id.to_string())];
-    let seconds = |ms: u64| ms as f64 / 1000.0;
-    let mut histories = Vec::new();
-    for r in &snapshot.replicas {
-        live.get_or_create(&group(&r.replica_id)).set(1);
-        step.get_or_create(&group(&r.replica_id)).set(r.step);
-        if let Some(rate) = r.step_rate {
-            step_rate.get_or_create(&group(&r.replica_id)).set(rate);
-        }
-        healing
-            .get_or_create(&group(&r.replica_id))
-            .set(r.healing.into());
-        heartbeat_age
-            .get_or_create(&group(&r.replica_id))
-            .set(seconds(r.heartbeat_age_ms));
-        last_commit_age
-            .get_or_create(&group(&r.replica_id))
-            .set(seconds(r.last_commit_age_ms));
-        if let Some(ms) = r.progress_age_ms {
-            progress_age
-                .get_or_create(&group(&r.replica_id))
-                .set(seconds(ms));
-        }
-        if let Some(ms) = r.step_time_ms {
-            step_time
-                .get_or_create(&group(&r.replica_id))
-                .set(seconds(ms));
-        }
-        straggler
-            .get_or_create(&group(&r.replica_id))
-            .set(r.straggler.into());
-        histories.push((&r.replica_id, &r.history));
+/// How one per-group series is read from a snapshot.
+enum Series {
+    /// 1 for a live group, 0 for one lost.
+    Live,
+    /// A whole number of a live group; none: no sample.
+    Int(fn(&ReplicaSnapshot) -> Option<i64>),
+    /// A measure of a live group (seconds, or a rate); none: no sample.
+    Float(fn(&ReplicaSnapshot) -> Option<f64>),
+    /// A count of a live or lost group's history.
+    Count(fn(&History) -> u64),
+    /// The times a group was declared dead, by cause.
+    LossesByCause,
+    /// The requests a group's servers refused, by reason.
+    RefusedByReason,
+    /// The job's own measure, not a group's.
+    Job(fn(&Snapshot) -> f64),
+}
+
+/// One series of `/metrics` made from the snapshot.
+struct Row {
+    name: &'static str,
+    help: &'static str,
+    unit: Option<Unit>,
+    series: Series,
+}
+
+const fn row(name: &'static str, help: &'static str, series: Series) -> Row {
+    Row {
+        name,
+        help,
+        unit: None,
+        series,
     }
-    for l in &snapshot.lost {
-        live.get_or_create(&group(&l.replica_id)).set(0);
-        histories.push((&l.replica_id, &l.history));
-    }
-    for (id, history) in histories {
-        for cause in Eviction::ALL {
-            let mut labels = group(id);
-            labels.push(("cause", cause.as_str().to_string()));
-            losses
-                .get_or_create(&labels)
-                .inc_by(history.losses.of(cause));
-        }
-        returns.get_or_create(&group(id)).inc_by(history.returns);
-        let tally = &history.tally;
-        committed
-            .get_or_create(&group(id))
-            .inc_by(tally.steps_committed);
-        failed.get_or_create(&group(id)).inc_by(tally.steps_failed);
-        heals.get_or_create(&group(id)).inc_by(tally.heals);
-        healed_bytes
-            .get_or_create(&group(id))
-            .inc_by(tally.healed_bytes);
-        for (&reason, &count) in &tally.refused {
-            let mut labels = group(id);
-            labels.push(("reason", reason.to_string()));
-            refused.get_or_create(&labels).inc_by(count);
-        }
-    }
-    let job_last_commit_age = FloatGauge::default();
-    job_last_commit_age.set(seconds(snapshot.last_commit_age_ms));
-    let mut registry = Registry::with_prefix("phalanx_lighthouse");
-    registry.register(
+}
+
+fn seconds(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// The per-group series an operator alerts on, in the order `/metrics` lists them.
+const GROUP_SERIES: &[Row] = &[
+    row(
         "group_live",
         "1 for a live replica group, 0 for one declared dead in the last minutes",
-        live,
-    );
-    registry.register(
+        Series::Live,
+    ),
+    row(
         "group_step",
         "The step a live replica group reported last",
-        step,
-    );
-    registry.register(
+        Series::Int(|r| Some(r.step)),
+    ),
+    row(
         "group_step_rate",
         "Steps per second of a live replica group over the last half minute",
-        step_rate,
-    );
-    registry.register(
+        Series::Float(|r| r.step_rate),
+    ),
+    row(
         "group_healing",
         "1 while a member of the current quorum reports a step below the quorum's max \
          step (it is fetching the state it lacks)",
-        healing,
-    );
-    registry.register(
+        Series::Int(|r| Some(r.healing.into())),
+    ),
+    row(
         "group_heartbeat_age_seconds",
         "Time since a live replica group's last heartbeat",
-        heartbeat_age,
-    );
-    registry.register(
+        Series::Float(|r| Some(seconds(r.heartbeat_age_ms))),
+    ),
+    row(
         "group_progress_age_seconds",
         "Time since a live replica group's training last made progress (a wait on the \
          other groups within its deadline counts as progress); past its stall timeout \
          while a peer waits on it, the group is evicted",
-        progress_age,
-    );
-    registry.register(
+        Series::Float(|r| r.progress_age_ms.map(seconds)),
+    ),
+    row(
         "group_step_time_seconds",
         "A replica group's own work in its last step (its slowest rank's), waits on the \
          other groups left out",
-        step_time,
-    );
-    registry.register(
+        Series::Float(|r| r.step_time_ms.map(seconds)),
+    ),
+    row(
         "group_straggler",
         "1 for a member of the quorum whose step time is at least twice the other \
          members' median",
-        straggler,
-    );
-    registry.register(
+        Series::Int(|r| Some(r.straggler.into())),
+    ),
+    row(
         "group_losses",
         "Times a replica group was declared dead, by cause (kept while it is live or \
          lost in the last minutes)",
-        losses,
-    );
-    registry.register(
+        Series::LossesByCause,
+    ),
+    row(
         "group_returns",
         "Times a replica group came back after it was declared dead (restarts)",
-        returns,
-    );
-    registry.register(
+        Series::Count(|h| h.returns),
+    ),
+    row(
         "group_steps_committed",
         "Steps a replica group's vote committed (kept while it is live or lost in the \
          last minutes, across its restarts)",
-        committed,
-    );
-    registry.register(
+        Series::Count(|h| h.tally.steps_committed),
+    ),
+    row(
         "group_steps_failed",
         "Steps a replica group did not commit: a rank voted no, its state was torn, or \
          the lighthouse had gone on without it",
-        failed,
-    );
-    registry.register(
+        Series::Count(|h| h.tally.steps_failed),
+    ),
+    row(
         "group_heals",
         "Quorums in which a replica group fetched the state it lacked from its peers",
-        heals,
-    );
-    registry.register_with_unit(
-        "group_healed",
-        "Tensor bytes a replica group's ranks fetched from their peers in heals",
-        Unit::Bytes,
-        healed_bytes,
-    );
-    registry.register(
+        Series::Count(|h| h.tally.heals),
+    ),
+    Row {
+        name: "group_healed",
+        help: "Tensor bytes a replica group's ranks fetched from their peers in heals",
+        unit: Some(Unit::Bytes),
+        series: Series::Count(|h| h.tally.healed_bytes),
+    },
+    row(
         "group_last_commit_age_seconds",
         "Time since a live replica group last committed a step (or since it appeared)",
-        last_commit_age,
-    );
-    registry.register(
+        Series::Float(|r| Some(seconds(r.last_commit_age_ms))),
+    ),
+    row(
         "group_refused_requests",
         "Requests and connections refused by a replica group's manager server and state \
          servers, by group and reason",
-        refused,
-    );
-    registry.register(
+        Series::RefusedByReason,
+    ),
+    row(
         "last_commit_age_seconds",
         "Time since any replica group last committed a step (or since the lighthouse \
          started): the job's stall",
-        job_last_commit_age,
-    );
+        Series::Job(|s| seconds(s.last_commit_age_ms)),
+    ),
+];
+
+/// The per-group series an operator alerts on, made afresh from a snapshot at each
+/// scrape: a group's series are there while it is live or recently lost (see
+/// `history::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
+fn group_registry(snapshot: &Snapshot) -> Registry {
+    let group = |id: &str| vec![("replica_id", id.to_string())];
+    let histories: Vec<(&str, &History)> = snapshot
+        .replicas
+        .iter()
+        .map(|r| (r.replica_id.as_str(), &r.history))
+        .chain(
+            snapshot
+                .lost
+                .iter()
+                .map(|l| (l.replica_id.as_str(), &l.history)),
+        )
+        .collect();
+    let mut registry = Registry::with_prefix("phalanx_lighthouse");
+    for row in GROUP_SERIES {
+        match row.series {
+            Series::Live => {
+                let family = Family::<GroupLabels, Gauge>::default();
+                for r in &snapshot.replicas {
+                    family.get_or_create(&group(&r.replica_id)).set(1);
+                }
+                for l in &snapshot.lost {
+                    family.get_or_create(&group(&l.replica_id)).set(0);
+                }
+                add(&mut registry, row, family);
+            }
+            Series::Int(read) => {
+                let family = Family::<GroupLabels, Gauge>::default();
+                for r in &snapshot.replicas {
+                    if let Some(v) = read(r) {
+                        family.get_or_create(&group(&r.replica_id)).set(v);
+                    }
+                }
+                add(&mut registry, row, family);
+            }
+            Series::Float(read) => {
+                let family = Family::<GroupLabels, FloatGauge>::default();
+                for r in &snapshot.replicas {
+                    if let Some(v) = read(r) {
+                        family.get_or_create(&group(&r.replica_id)).set(v);
+                    }
+                }
+                add(&mut registry, row, family);
+            }
+            Series::Count(read) => {
+                let family = Family::<GroupLabels, Counter>::default();
+                for (id, history) in &histories {
+                    family.get_or_create(&group(id)).inc_by(read(history));
+                }
+                add(&mut registry, row, family);
+            }
+            Series::LossesByCause => {
+                let family = Family::<GroupLabels, Counter>::default();
+                for (id, history) in &histories {
+                    for cause in Eviction::ALL {
+                        let mut labels = group(id);
+                        labels.push(("cause", cause.as_str().to_string()));
+                        family
+                            .get_or_create(&labels)
+                            .inc_by(history.losses.of(cause));
+                    }
+                }
+                add(&mut registry, row, family);
+            }
+            Series::RefusedByReason => {
+                let family = Family::<GroupLabels, Counter>::default();
+                for (id, history) in &histories {
+                    for (&reason, &count) in &history.tally.refused {
+                        let mut labels = group(id);
+                        labels.push(("reason", reason.to_string()));
+                        family.get_or_create(&labels).inc_by(count);
+                    }
+                }
+                add(&mut registry, row, family);
+            }
+            Series::Job(read) => {
+                let gauge = FloatGauge::default();
+                gauge.set(read(snapshot));
+                add(&mut registry, row, gauge);
+            }
+        }
+    }
     registry
+}
+
+fn add(registry: &mut Registry, row: &Row, metric: impl Metric) {
+    match &row.unit {
+        Some(unit) => registry.register_with_unit(row.name, row.help, unit.clone(), metric),
+        None => registry.register(row.name, row.help, metric),
+    }
 }
 
 /// The samples of an OpenMetrics exposition in Prometheus' older text format
