@@ -174,6 +174,7 @@ def test_an_unneeded_argument_is_accepted_and_logged_once(lighthouse, caplog):
         ({"lighthouse_addr": "grpc://h:1"}, ValueError, "speaks its own protocol at host:port"),
         ({"max_retries": -1}, ValueError, "max_retries=-1"),
         ({"timeout": timedelta(0)}, ValueError, "timeout="),
+        ({"quorum_timeout": float("inf")}, ValueError, "positive, finite timedelta"),
         ({"load_state_dict": None}, ValueError, "pass both load_state_dict and state_dict"),
     ],
 )

@@ -190,42 +190,44 @@ def _add_group_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The lighthouse flags of `phalanx run`, for the lighthouse it serves when no
+#: --lighthouse is given: (flag, LIGHTHOUSE_DEFAULTS key, type, what it sets).
+LIGHTHOUSE_FLAGS = (
+    ("--min-replicas", "min_replicas", int, "fewest groups a step may run with"),
+    (
+        "--join-timeout",
+        "join_timeout",
+        parse_duration,
+        "how long a quorum waits for a late live group",
+    ),
+    (
+        "--heartbeat-timeout",
+        "heartbeat_timeout",
+        parse_duration,
+        "silence after which a group is declared dead",
+    ),
+    (
+        "--rollback-after",
+        "rollback_after",
+        parse_duration,
+        "how long the job waits for a group holding its newest state to come back before "
+        "it goes on from an older one, as a new lineage",
+    ),
+)
+
+
 def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
     """The lighthouse served here when no --lighthouse is given."""
-    defaults = _core.LIGHTHOUSE_DEFAULTS
-    parser.add_argument(
-        "--min-replicas",
-        type=int,
-        default=defaults["min_replicas"],
-        metavar="N",
-        help="fewest groups a step may run with (lighthouse served here; default: "
-        f"{defaults['min_replicas']})",
-    )
-    parser.add_argument(
-        "--join-timeout",
-        type=parse_duration,
-        default=defaults["join_timeout"],
-        metavar="DURATION",
-        help="how long a quorum waits for a late live group (lighthouse served here; default: "
-        f"{defaults['join_timeout']:g}s)",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout",
-        type=parse_duration,
-        default=defaults["heartbeat_timeout"],
-        metavar="DURATION",
-        help="silence after which a group is declared dead (lighthouse served here; default: "
-        f"{defaults['heartbeat_timeout']:g}s)",
-    )
-    parser.add_argument(
-        "--rollback-after",
-        type=parse_duration,
-        default=defaults["rollback_after"],
-        metavar="DURATION",
-        help="how long the job waits for a group holding its newest state to come back before "
-        "it goes on from an older one, as a new lineage (lighthouse served here; default: "
-        f"{defaults['rollback_after']:g}s)",
-    )
+    for flag, key, kind, what in LIGHTHOUSE_FLAGS:
+        default = _core.LIGHTHOUSE_DEFAULTS[key]
+        shown = f"{default}" if kind is int else f"{default:g}s"
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            metavar="N" if kind is int else "DURATION",
+            help=f"{what} (lighthouse served here; default: {shown})",
+        )
 
 
 def _add_access_options(parser: argparse.ArgumentParser) -> None:

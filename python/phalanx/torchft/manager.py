@@ -442,6 +442,8 @@ class Manager:
         return rank is not None and rank >= self._min_replica_size
 
     def _set_timeouts(self, timeouts: Timeouts, where: str) -> None:
+        if timeouts == self.phalanx.timeouts:
+            return  # the common step: no per-call deadline, nothing to check again
         try:
             self.phalanx.timeouts = timeouts
         except ValueError as e:
@@ -557,8 +559,8 @@ def _seconds_env(env: os._Environ[str] | dict[str, str], name: str, given: Any, 
 
 def _positive(value: Any, name: str) -> float:
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if not isinstance(seconds, int | float) or not seconds > 0:
-        raise ValueError(f"{name}={value!r}: pass a positive timedelta")
+    if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
+        raise ValueError(f"{name}={value!r}: pass a positive, finite timedelta")
     return float(seconds)
 
 
