@@ -40,6 +40,10 @@ MODULES = [
     "phalanx.torchft.process_group",
     "phalanx.torchft.data",
     "phalanx.torchft.checkpointing",
+    "phalanx.snapshots.catalog",
+    "phalanx.snapshots.schedule",
+    "phalanx.snapshots.storage",
+    "phalanx.snapshots.rank",
 ]
 
 

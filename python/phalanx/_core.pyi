@@ -140,6 +140,9 @@ class CommitDecision:
     @property
     def torn(self) -> bool:
         """Some rank of the group holds a torn state: every rank treats its own as torn."""
+    @property
+    def snapshot(self) -> bool:
+        """The step commits and some rank asked for a snapshot of it: every rank takes one."""
     def __bool__(self) -> bool: ...
 
 class MembershipLost:
@@ -417,11 +420,13 @@ class ManagerClient:
         timeout: float,
         quorum_id: int = 0,
         torn: bool = False,
+        snapshot: bool = False,
     ) -> CommitDecision:
         """The group's decision: commit only if every rank voted yes before the
         deadline and the group still holds the lighthouse's lease of the step's quorum
         (`quorum_id`, 0: the one the ranks were last handed). `torn` says this rank's
-        heal failed part way.
+        heal failed part way; `snapshot` asks every rank of the group to snapshot the
+        state the step commits (the decision's `snapshot` says whether they do).
 
         >>> decision = rank.should_commit(0, step, True, timeout=5.0)  # doctest: +SKIP
         >>> bool(decision), decision.torn  # doctest: +SKIP

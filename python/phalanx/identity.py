@@ -48,6 +48,17 @@ class HeldState:
             raise ValueError(f"a checkpoint's step is a count of steps, not {step!r}")
         self.step, self.state_quorum_id, self.torn = step, 0, False
 
+    def restored(self, step: int, state_quorum_id: int, lineage: int) -> None:
+        """The state of a snapshot: committed in this job as `step` of quorum
+        `state_quorum_id`, lineage `lineage`, so it enters the quorum as that state
+        (any live state newer than it wins)."""
+        self.step, self.state_quorum_id, self.lineage, self.torn = (
+            step,
+            state_quorum_id,
+            lineage,
+            False,
+        )
+
     def new_step(self) -> None:
         self.before_heal = None
 

@@ -47,6 +47,11 @@ class Manager:
     (default: the rank's GPU, `cuda:LOCAL_RANK`, where CUDA is available, else cpu) is
     where the collectives' tensors live: NCCL for CUDA, gloo for CPU.
 
+    `snapshot_dir` (a directory or an fsspec URL) and `snapshot_every` (committed steps,
+    e.g. 500, or a duration, e.g. "10m") turn on durable snapshots, the newest
+    `snapshot_keep` (default 2) kept: a job whose every group was lost resumes from the
+    newest (see `phalanx.snapshots`).
+
     >>> import phalanx
     >>> with phalanx.LighthouseServer(join_timeout=0.01) as lighthouse, Manager(
     ...     replica_id="a", lighthouse=lighthouse.address
@@ -77,6 +82,9 @@ class Manager:
         heal_timeout: float | None = None,
         lighthouse_timeout: float | None = None,
         stall_timeout: float | None = None,
+        snapshot_dir: str | None = None,
+        snapshot_every: int | str | None = None,
+        snapshot_keep: int | None = None,
         settings: ManagerSettings | None = None,
     ):
         if settings is None:
@@ -177,8 +185,8 @@ class Manager:
         quorum = self._resolve()
         transaction.stop_serving(self._rank)
         started = time.monotonic()
-        commit, torn = transaction.vote(self._rank, self._client, step, quorum)
-        return transaction.conclude(self._rank, step, commit, torn, time.monotonic() - started)
+        decision = transaction.vote(self._rank, self._client, step, quorum)
+        return transaction.conclude(self._rank, step, decision, time.monotonic() - started)
 
     # -- what a training loop may ask -----------------------------------------------
 

@@ -66,40 +66,49 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _servable(tensor: torch.Tensor, path: str) -> torch.Tensor:
-    """The tensor whose memory is lent: itself when it is a dense, contiguous CPU
-    tensor, else a contiguous CPU copy made now (kept until `close()`)."""
+def _sendable(tensor: torch.Tensor, path: str) -> torch.Tensor:
+    """`tensor`, if phalanx can send (or snapshot) it: dense, on the CPU or a GPU."""
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise TypeError(
             f"cannot serve {path!r}: a {tensor.layout} tensor"
             f"{' (quantized)' if tensor.is_quantized else ''}; convert it to a dense tensor"
             " in your state_dict function"
         )
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise TypeError(
+            f"cannot serve {path!r}: it lives on {tensor.device}; move it to CPU or CUDA in"
+            " your state_dict function"
+        )
+    return tensor
+
+
+def _servable(tensor: torch.Tensor, path: str) -> torch.Tensor:
+    """The tensor whose memory is lent: itself when it is a dense, contiguous CPU
+    tensor, else a contiguous CPU copy made now (kept until `close()`)."""
+    _sendable(tensor, path)
     if tensor.device.type == "cuda":
         # Sockets read host memory: GPU state is staged once per open(), pinned so the
         # copy runs at full PCIe speed.
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         staged.copy_(tensor)
         return staged
-    if tensor.device.type != "cpu":
-        raise TypeError(
-            f"cannot serve {path!r}: it lives on {tensor.device}; move it to CPU or CUDA in"
-            " your state_dict function"
-        )
     # A conjugate or negative view holds other values in memory than it shows.
     tensor = tensor.resolve_conj().resolve_neg()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 class _Encoder:
-    """Turns a state structure into a JSON-safe tree plus the tensors to lend."""
+    """Turns a state structure into a JSON-safe tree plus the tensors to lend (`stage`:
+    made servable, see `_servable`; else as they are, for a writer that copies them
+    itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stage: bool = True) -> None:
         self.table: list[dict[str, Any]] = []
         self.lent: list[torch.Tensor] = []
+        self.stage = stage
 
     def tensor(self, tensor: torch.Tensor, path: str) -> dict[str, Any]:
-        lent = _servable(tensor, path)
+        lent = _servable(tensor, path) if self.stage else _sendable(tensor, path)
         self.table.append(
             {
                 "path": path,
@@ -218,7 +227,16 @@ def _mesh_layout(mesh: Any) -> dict[str, Any]:
 
 def encode_state(state: Mapping[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
     """The manifest of `state` and the tensors whose bytes follow it, in index order."""
-    encoder = _Encoder()
+    return _encode(state, _Encoder())
+
+
+def describe_state(state: Mapping[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
+    """The manifest of `state` and its tensors in index order as they are (a DTensor's
+    local shard; nothing copied), for a snapshot, which copies them itself."""
+    return _encode(state, _Encoder(stage=False))
+
+
+def _encode(state: Mapping[str, Any], encoder: _Encoder) -> tuple[bytes, list[torch.Tensor]]:
     tree = {}
     for name, value in state.items():
         if not isinstance(name, str):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from phalanx.process_group import backend_for
+from phalanx.snapshots.rank import SnapshotSettings
 from phalanx.token import resolve_token
 
 
@@ -149,6 +150,8 @@ class ManagerSettings:
     #: Under torchrun, MASTER_ADDR:MASTER_PORT is torchrun's own store: rank 0 then
     #: serves on a free port and leaves its address there under this key.
     launcher_store_key: str | None = None
+    #: Durable snapshots (None: none are written or resumed from).
+    snapshots: SnapshotSettings | None = None
 
     @property
     def backend(self) -> str:
@@ -225,6 +228,11 @@ class ManagerSettings:
             advertise_host=given.pop("advertise_host", None) or env.get("PHALANX_ADVERTISE_HOST"),
             device=env.device(given.pop("device", None)),
             launcher_store_key=env.launcher_store_key(),
+            snapshots=env.snapshots(
+                given.pop("snapshot_dir", None),
+                given.pop("snapshot_every", None),
+                given.pop("snapshot_keep", None),
+            ),
             **given,
         )
         settings.validate()
@@ -293,6 +301,25 @@ class _Environment:
             return None
         run = self.get("TORCHELASTIC_RUN_ID", "")
         return f"phalanx/{run}/manager/{self.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def snapshots(self, location: Any, every: Any, keep: Any) -> SnapshotSettings | None:
+        location = location if location is not None else self.get("PHALANX_SNAPSHOT_DIR")
+        every = every if every is not None else self.get("PHALANX_SNAPSHOT_EVERY")
+        keep = keep if keep is not None else self.get("PHALANX_SNAPSHOT_KEEP", "2")
+        if location is None:
+            if every is not None:
+                raise ValueError(
+                    "snapshot_every without snapshot_dir: say where snapshots go "
+                    "(snapshot_dir= or PHALANX_SNAPSHOT_DIR, a directory or an fsspec URL)"
+                )
+            return None
+        if every is None:
+            raise ValueError(
+                f"snapshot_dir={location!r} without snapshot_every: say how often, in "
+                "committed steps (e.g. 500) or time (e.g. 10m): snapshot_every= or "
+                "PHALANX_SNAPSHOT_EVERY"
+            )
+        return SnapshotSettings.of(location, every, keep)
 
     def device(self, given: torch.device | str | None) -> torch.device:
         text = given if given is not None else self.get("PHALANX_DEVICE")

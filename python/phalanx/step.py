@@ -57,6 +57,10 @@ class StepRecord:
     heal_s: float = 0.0
     #: Tensor bytes this step's heal fetched.
     heal_bytes: int = 0
+    #: The time the step's start spent copying a snapshot to host memory.
+    snapshot_s: float = 0.0
+    #: The time this step spent loading a snapshot (a cold resume).
+    resume_s: float = 0.0
     failure: str | None = None
 
 
@@ -198,6 +202,16 @@ class Handle:
 MIN_REVOTE_S = 0.5
 
 
+@dataclass(frozen=True)
+class Decision:
+    """The group's decision on a step: it commits; some rank is torn; the group
+    snapshots the state it commits."""
+
+    commit: bool
+    torn: bool
+    snapshot: bool = False
+
+
 def cast_vote(
     client: _core.ManagerClient,
     group_rank: int,
@@ -207,18 +221,19 @@ def cast_vote(
     quorum_id: int,
     torn: bool,
     timeout: float,
-) -> tuple[bool, bool]:
-    """Casts this rank's vote; returns the group's (commit, torn). A vote whose answer
-    was lost is cast once more, within what is left of `timeout`: the manager server
-    answers a step it decided with that decision, so this rank cannot miss a commit
-    its peers applied."""
+    snapshot: bool = False,
+) -> Decision:
+    """Casts this rank's vote (`snapshot`: asking for a snapshot of the step); returns
+    the group's decision. A vote whose answer was lost is cast once more, within what
+    is left of `timeout`: the manager server answers a step it decided with that
+    decision, so this rank cannot miss a commit its peers applied."""
     deadline = time.monotonic() + timeout
 
-    def cast(seconds: float) -> tuple[bool, bool]:
-        decision = client.should_commit(
-            group_rank, step, vote, seconds, quorum_id=quorum_id, torn=torn
+    def cast(seconds: float) -> Decision:
+        d = client.should_commit(
+            group_rank, step, vote, seconds, quorum_id=quorum_id, torn=torn, snapshot=snapshot
         )
-        return decision.commit, decision.torn
+        return Decision(d.commit, d.torn, d.snapshot)
 
     try:
         return cast(timeout)

@@ -6,6 +6,10 @@ the step in flight (`phalanx.step.Step`); `phalanx.Manager` calls them in order:
                 changed, then heal, or open this rank's state to healers
     vote        this rank's yes or no; the group's decision
     conclude    apply the group's decision to the held state
+
+With snapshots on (`phalanx.snapshots`), `begin` also takes the snapshot the group
+decided on at its last vote, and before the first quorum picks the snapshot to resume
+from; `join` loads it when the quorum says this group holds the job's newest state.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from phalanx import _core, watchdog
 from phalanx.healing import StateRegistry, heal_step, tear
 from phalanx.identity import HeldState
+from phalanx.manifest import IncompatibleStateError
 from phalanx.membership import LossBook, MembershipWatcher
 from phalanx.peers import LEFT_OUT, PeerReach, store_answers
 from phalanx.process_group import Membership
@@ -26,7 +31,8 @@ from phalanx.progress import Progress
 from phalanx.reachability import Reachability
 from phalanx.services import RankServices
 from phalanx.settings import ManagerSettings
-from phalanx.step import Step, cast_vote
+from phalanx.snapshots import Manifest, RankSnapshots
+from phalanx.step import Decision, Step, cast_vote
 
 log = logging.getLogger("phalanx.manager")
 
@@ -46,6 +52,10 @@ class Rank:
     serving: bool = False
     #: Tensor bytes fetched in heals so far, for the lighthouse's metrics.
     healed_bytes: int = 0
+    #: Durable snapshots, if they are on.
+    snapshots: RankSnapshots | None = None
+    #: The snapshot this rank resumes from once a quorum says it holds the newest state.
+    resuming: Manifest | None = None
 
     def __post_init__(self) -> None:
         self.reach = Reachability(self.settings.replica_id)
@@ -65,6 +75,14 @@ class Rank:
         )
         watchdog.install_chaos(progress)
         rank = cls(settings, services, LossBook(), progress)
+        if settings.snapshots is not None:
+            rank.snapshots = RankSnapshots(
+                settings.snapshots,
+                replica_id=settings.replica_id,
+                group_rank=settings.group_rank,
+                world_size=settings.group_world_size,
+                store=lambda: dist.PrefixStore("phalanx/snapshot", services.store),
+            )
         watchdog.arm(services.client, settings.replica_id)
         rank.watcher = MembershipWatcher(services.client, rank.losses, rank.heard_loss)
         progress.start()
@@ -80,7 +98,10 @@ class Rank:
             self.services.client.disarm_eviction_exit()
 
     def close(self) -> None:
-        """Stops the servers and threads and waits for the watcher to end."""
+        """Stops the servers and threads and waits for the watcher to end (and for a
+        snapshot being written, up to the heal timeout)."""
+        if self.snapshots is not None:
+            self.snapshots.close(self.settings.timeouts.heal)
         self.progress.stop()
         self.peers.close()
         self.services.shutdown()
@@ -98,6 +119,7 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
     held.new_step()
     rank.progress.bind()
     rank.progress.step_began(held.step)
+    snapshot_s = snapshot_or_resume(rank, first=previous is None)
     asked = rank.services.client.start_quorum(
         rank.settings.group_rank,
         held.step,
@@ -112,8 +134,37 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
         rank.peers.unreachable(),
     )
     step = Step(held.step, asked, None if previous is None else previous.known_quorum)
+    step.record.snapshot_s = snapshot_s
     rank.losses.follow(step)
     return step
+
+
+def snapshot_or_resume(rank: Rank, first: bool) -> float:
+    """Takes the snapshot the group decided on (the state the last step committed, as
+    the optimizer left it) and returns the seconds it held the step; before the first
+    quorum of a rank that holds no state, picks the snapshot to resume from, whose
+    identity the quorum request carries."""
+    snapshots, held = rank.snapshots, rank.held
+    if snapshots is None:
+        return 0.0
+    if first and held.step == 0 and held.state_quorum_id == 0:
+        rank.resuming = manifest = snapshots.resume()
+        if manifest is not None:
+            held.restored(manifest.step, manifest.state_quorum_id, manifest.lineage)
+            log.info(
+                "replica group %r holds snapshot %s: step %d, lineage %d (loaded if no live "
+                "group holds a newer state)",
+                rank.settings.replica_id,
+                manifest.name,
+                manifest.step,
+                manifest.lineage,
+            )
+        return 0.0
+    if not snapshots.due:
+        return 0.0
+    doing = f"copying the snapshot of step {held.step}"
+    with rank.progress.waiting(doing, rank.settings.timeouts.heal):
+        return snapshots.take(rank.registry.state(), held.step, held.state_quorum_id, held.lineage)
 
 
 def take_quorum(rank: Rank, step: Step) -> None:
@@ -186,6 +237,12 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
     except (RuntimeError, ValueError, dist.DistError) as e:
         step.peers_unreached = True
         return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
+    if rank.resuming is not None:
+        manifest, rank.resuming = rank.resuming, None
+        if quorum.heal:
+            log.info("snapshot %s not loaded: a live group holds a newer state", manifest.name)
+        elif (failure := resume(rank, step, manifest)) is not None:
+            return rank.fail(step, failure)
     if quorum.heal:
         s = rank.settings
         failure = heal_step(
@@ -209,6 +266,34 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         rank.progress.mark(f"serving the state of step {rank.held.step} to healing peers")
 
 
+def resume(rank: Rank, step: Step, manifest: Manifest) -> str | None:
+    """Loads the snapshot this rank reported holding; returns why it failed, or None.
+    A load that failed part way leaves the state torn (the group heals again)."""
+    assert rank.snapshots is not None
+    started = time.monotonic()
+    held, timeout = rank.held, rank.settings.timeouts.heal
+    held.begin_heal()
+    try:
+        # Reading storage is no wait on the other groups, but it may be long.
+        with rank.progress.waiting(f"loading snapshot {manifest.name}", timeout):
+            state = rank.snapshots.load(manifest, rank.registry.state())
+        rank.registry.load(state, manifest.step)
+    except IncompatibleStateError:
+        raise  # built unlike the group that wrote it: no retry can help
+    except Exception as e:
+        tear(held)
+        return f"cannot load snapshot {manifest.name} of {rank.snapshots.storage.location}: {e}"
+    held.before_heal = None
+    step.record.resume_s = time.monotonic() - started
+    log.info(
+        "resumed from snapshot %s: step %d in %.3f s",
+        manifest.name,
+        manifest.step,
+        step.record.resume_s,
+    )
+    return None
+
+
 def stop_serving(rank: Rank) -> None:
     """Every healing peer fetched before it joined the collectives that just
     completed, so the state may change again from here on."""
@@ -221,31 +306,40 @@ def stop_serving(rank: Rank) -> None:
 
 def vote(
     rank: Rank, client: _core.ManagerClient, step: Step, quorum: _core.QuorumResult | None
-) -> tuple[bool, bool]:
+) -> Decision:
     """Votes yes if the step can commit (`quorum`: the one this rank joined, if it
-    did); returns the group's (commit, torn). A vote that cannot be cast is a no."""
+    did), rank 0 asking for a snapshot when one is due; returns the group's decision.
+    A vote that cannot be cast is a no."""
     held = rank.held
     commit_timeout = rank.settings.timeouts.commit
+    yes = quorum is not None and step.ok
+    snapshot = (
+        yes
+        and rank.snapshots is not None
+        and rank.snapshots.ask(held.step + 1, [m.replica_id for m in quorum.participants])
+    )
     try:
         with rank.progress.waiting(f"the commit vote of step {held.step}", commit_timeout):
             return cast_vote(
                 client,
                 rank.settings.group_rank,
                 held.step,
-                quorum is not None and step.ok,
+                yes,
                 quorum_id=quorum.quorum_id if quorum is not None else 0,
                 torn=held.torn,
                 timeout=commit_timeout,
+                snapshot=snapshot,
             )
     except (TimeoutError, ConnectionError, ValueError) as e:
         log.warning("commit vote of step %d failed: %s", held.step, e)
         # Whether the other ranks' heals succeeded is unknown.
-        return False, held.healing
+        return Decision(commit=False, torn=held.healing)
 
 
-def conclude(rank: Rank, step: Step, commit: bool, torn: bool, took: float) -> bool:
-    """Applies the group's decision (`commit`; `torn`: some rank's heal failed) to the
-    held state and the step's record; returns `commit`."""
+def conclude(rank: Rank, step: Step, decision: Decision, took: float) -> bool:
+    """Applies the group's decision to the held state and the step's record; returns
+    whether the step commits."""
+    commit, torn = decision.commit, decision.torn
     record, quorum = step.record, step.quorum
     record.commit_s = took
     # Only a heal can tear a state: a group that did not heal this step keeps it.
@@ -254,6 +348,8 @@ def conclude(rank: Rank, step: Step, commit: bool, torn: bool, took: float) -> b
     record.committed = commit
     record.failure = (step.failure or "a rank voted no") if not commit else None
     record.participants = 0 if quorum is None else quorum.contributors
+    if rank.snapshots is not None:
+        rank.snapshots.committed(commit and decision.snapshot)
     if commit:
         assert quorum is not None
         rank.held.committed(quorum.quorum_id, quorum.lineage)

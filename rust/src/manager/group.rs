@@ -79,6 +79,8 @@ pub struct Vote {
     pub torn: bool,
     /// The quorum the rank says the step ran in (0: not said).
     pub quorum_id: u64,
+    /// The rank asks for a snapshot of the state the step commits.
+    pub snapshot: bool,
 }
 
 #[derive(Default)]
@@ -90,6 +92,8 @@ struct Ballot {
     torn: bool,
     /// The quorum ids the ranks said the step ran in.
     quorum_ids: BTreeSet<u64>,
+    /// Some rank asked for a snapshot of the step.
+    snapshot: bool,
     waiters: Vec<oneshot::Sender<Decision>>,
 }
 
@@ -111,8 +115,9 @@ pub enum Voted {
     No { torn: bool },
     /// This was the last vote, every rank said yes about `quorum`, none is torn: the
     /// group commits if it still holds the lease of `quorum` (the caller asks the
-    /// heartbeat), then records the outcome with `decide`.
-    YesIfLeased { quorum: StepQuorum },
+    /// heartbeat), then records the outcome with `decide` (`snapshot`: some rank asked
+    /// for a snapshot of the step).
+    YesIfLeased { quorum: StepQuorum, snapshot: bool },
 }
 
 /// The manager server's state of one replica group.
@@ -306,6 +311,7 @@ impl GroupState {
         ballot.voted.insert(rank);
         ballot.all_yes &= vote.yes;
         ballot.torn |= vote.torn;
+        ballot.snapshot |= vote.snapshot;
         if vote.quorum_id != 0 {
             ballot.quorum_ids.insert(vote.quorum_id);
         }
@@ -313,13 +319,13 @@ impl GroupState {
         if ballot.voted.len() < self.world_size as usize {
             return Voted::Waiting;
         }
-        let (all_yes, torn) = (ballot.all_yes, ballot.torn);
+        let (all_yes, torn, snapshot) = (ballot.all_yes, ballot.torn, ballot.snapshot);
         let claimed = std::mem::take(&mut ballot.quorum_ids);
         // The step's quorum is the one the ranks were handed, if every rank that named
         // one named it.
         let agreed = self.quorum.filter(|q| claimed.iter().all(|id| *id == q.id));
         match agreed {
-            Some(quorum) if all_yes && !torn => Voted::YesIfLeased { quorum },
+            Some(quorum) if all_yes && !torn => Voted::YesIfLeased { quorum, snapshot },
             _ => Voted::No { torn },
         }
     }
@@ -344,6 +350,7 @@ impl GroupState {
             Decision {
                 commit: false,
                 torn,
+                snapshot: false,
             },
         );
         (decision, missing)
@@ -424,6 +431,7 @@ mod tests {
             yes: true,
             torn: false,
             quorum_id,
+            snapshot: false,
         }
     }
 
@@ -442,6 +450,7 @@ mod tests {
     const NO: Decision = Decision {
         commit: false,
         torn: false,
+        snapshot: false,
     };
 
     #[test]
@@ -450,6 +459,7 @@ mod tests {
         let commit = Decision {
             commit: true,
             torn: false,
+            snapshot: false,
         };
         g.decide(4, commit);
         g.decide(4, NO); // a step is decided once
@@ -586,7 +596,29 @@ mod tests {
             id: 9,
             received_at: now,
         };
-        assert_eq!(last, Voted::YesIfLeased { quorum });
+        assert_eq!(
+            last,
+            Voted::YesIfLeased {
+                quorum,
+                snapshot: false
+            }
+        );
+    }
+
+    #[test]
+    fn one_rank_asking_for_a_snapshot_is_enough_for_the_group() {
+        let now = Instant::now();
+        let mut g = in_quorum(2, 9, now);
+        let asks = Vote {
+            snapshot: true,
+            ..yes(1, 9)
+        };
+        vote(&mut g, 0, asks);
+        let (last, _) = vote(&mut g, 1, yes(1, 9));
+        assert!(
+            matches!(last, Voted::YesIfLeased { snapshot: true, .. }),
+            "{last:?}"
+        );
     }
 
     #[test]
@@ -607,6 +639,7 @@ mod tests {
         let decision = Decision {
             commit: true,
             torn: false,
+            snapshot: false,
         };
         assert_eq!(g.decide(4, decision), decision);
         assert_eq!(early.try_recv(), Ok(decision));
@@ -625,6 +658,7 @@ mod tests {
         let torn_no = Decision {
             commit: false,
             torn: true,
+            snapshot: false,
         };
         assert_eq!(decision, torn_no);
         assert_eq!(rx.try_recv(), Ok(torn_no));
@@ -690,7 +724,7 @@ mod tests {
                 for i in 0..votes.len() {
                     let rank = (i + rotate) % votes.len();
                     let (yes, torn, quorum_id) = votes[rank];
-                    let v = Vote { step: 3, yes, torn, quorum_id };
+                    let v = Vote { step: 3, yes, torn, quorum_id, snapshot: false };
                     let (voted, _rx) = vote(&mut g, rank as u32, v);
                     if i + 1 < votes.len() {
                         prop_assert_eq!(&voted, &Voted::Waiting);

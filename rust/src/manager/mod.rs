@@ -127,8 +127,14 @@ impl Shared {
     }
 
     /// The last vote on `step` was a yes about `quorum`: the group commits if it
-    /// still holds the lease of that quorum.
-    async fn commit_if_leased(&self, step: i64, quorum: StepQuorum, deadline: Instant) {
+    /// still holds the lease of that quorum (and snapshots it if a rank asked).
+    async fn commit_if_leased(
+        &self,
+        step: i64,
+        quorum: StepQuorum,
+        snapshot: bool,
+        deadline: Instant,
+    ) {
         let commit = self.holds_lease(quorum, deadline).await;
         if !commit {
             tracing::warn!(
@@ -143,6 +149,7 @@ impl Shared {
         let decision = Decision {
             commit,
             torn: false,
+            snapshot: commit && snapshot,
         };
         self.lock().decide(step, decision);
     }
@@ -375,6 +382,7 @@ impl Manager for ManagerService {
             yes: req.vote,
             torn: req.torn,
             quorum_id: req.quorum_id,
+            snapshot: req.snapshot,
         };
         let (waiter, decision) = oneshot::channel();
         let voted = shared.lock().vote(req.group_rank, vote, waiter);
@@ -387,11 +395,12 @@ impl Manager for ManagerService {
                     Decision {
                         commit: false,
                         torn,
+                        snapshot: false,
                     },
                 );
             }
-            Voted::YesIfLeased { quorum } => {
-                self.unless_stopping(shared.commit_if_leased(req.step, quorum, deadline))
+            Voted::YesIfLeased { quorum, snapshot } => {
+                self.unless_stopping(shared.commit_if_leased(req.step, quorum, snapshot, deadline))
                     .await?;
             }
         }
@@ -403,6 +412,7 @@ impl Manager for ManagerService {
             Ok(Err(_)) => Decision {
                 commit: false,
                 torn: true,
+                snapshot: false,
             },
             Err(_) => {
                 let (decision, missing) = shared.lock().give_up_vote(req.step);

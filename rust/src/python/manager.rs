@@ -254,8 +254,9 @@ impl ManagerClient {
     /// The group's decision for `step`: commit only if every rank voted yes in time
     /// and the group still holds the lighthouse's lease of the step's quorum.
     /// `quorum_id` (0: the one the group's ranks were last handed) names that quorum;
-    /// `torn` says this rank's heal failed part way.
-    #[pyo3(signature = (group_rank, step, vote, timeout, quorum_id = 0, torn = false))]
+    /// `torn` says this rank's heal failed part way; `snapshot` asks the group to
+    /// snapshot the state the step commits.
+    #[pyo3(signature = (group_rank, step, vote, timeout, quorum_id = 0, torn = false, snapshot = false))]
     #[allow(clippy::too_many_arguments)]
     fn should_commit(
         &self,
@@ -266,6 +267,7 @@ impl ManagerClient {
         timeout: f64,
         quorum_id: u64,
         torn: bool,
+        snapshot: bool,
     ) -> PyResult<CommitDecision> {
         let timeout = seconds("timeout", timeout)?;
         let vote = proto::ShouldCommitRequest {
@@ -274,6 +276,7 @@ impl ManagerClient {
             vote,
             quorum_id,
             torn,
+            snapshot,
             ..Default::default()
         };
         let client = self.inner.clone();
@@ -281,6 +284,7 @@ impl ManagerClient {
         Ok(CommitDecision {
             commit: d.commit,
             torn: d.torn,
+            snapshot: d.snapshot,
         })
     }
 

@@ -161,6 +161,8 @@ pub struct CommitDecision {
     pub(super) commit: bool,
     /// Some rank of the group holds a torn state (its heal failed part way).
     pub(super) torn: bool,
+    /// The step commits and the group snapshots the state it commits.
+    pub(super) snapshot: bool,
 }
 
 #[pymethods]

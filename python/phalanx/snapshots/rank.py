@@ -1,0 +1,149 @@
+"""A rank's side of durable snapshots, as the step transaction calls it:
+
+resume()   before the first quorum: the newest snapshot that verifies, the same
+           for every rank of the group (rank 0 picks it), whose identity the
+           rank reports, or None
+load()     once the quorum says this group holds the job's newest state: the
+           snapshot's tensors into the registered state
+ask()      rank 0, at its vote: whether the state this step commits is to be
+           snapshotted (due, and this group's turn)
+committed() the group's decision said so: the state is taken at the next step's
+           start, after the optimizer applied the step, as healers would get it
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from phalanx.snapshots import resume as _resume
+from phalanx.snapshots.catalog import Manifest
+from phalanx.snapshots.schedule import Every, writer
+from phalanx.snapshots.storage import Storage
+from phalanx.snapshots.writer import SHARDS_TIMEOUT_S, SnapshotWriter
+
+log = logging.getLogger("phalanx.snapshots")
+
+_RESUME_KEY = "resume"
+
+
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """Where snapshots go, how often, and how many are kept.
+
+    >>> SnapshotSettings.of("/tmp/snaps", "500").every
+    Every(steps=500, seconds=None)
+    >>> SnapshotSettings.of("/tmp/snaps", "10m", keep=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: snapshot_keep=0: keep at least 1 snapshot (default 2)
+    """
+
+    location: str
+    every: Every
+    keep: int = 2
+
+    @classmethod
+    def of(cls, location: str, every: Any, keep: Any = 2) -> SnapshotSettings:
+        every = every if isinstance(every, Every) else Every.parse(every)
+        try:
+            keep = int(keep)
+        except (TypeError, ValueError):
+            keep = 0
+        if keep < 1:
+            raise ValueError(f"snapshot_keep={keep!r}: keep at least 1 snapshot (default 2)")
+        return cls(str(location), every, keep)
+
+
+class RankSnapshots:
+    def __init__(
+        self,
+        settings: SnapshotSettings,
+        *,
+        replica_id: str,
+        group_rank: int,
+        world_size: int,
+        store: Callable[[], dist.Store],
+    ) -> None:
+        self.settings = settings
+        self.storage = Storage.at(settings.location)
+        self.group_rank = group_rank
+        self.world_size = world_size
+        self.replica_id = replica_id
+        self._store = store
+        self.writer = SnapshotWriter(
+            self.storage,
+            replica_id=replica_id,
+            group_rank=group_rank,
+            world_size=world_size,
+            keep=settings.keep,
+            store=store if world_size > 1 else None,
+        )
+        every = settings.every
+        #: The last slot rank 0 considered (by time: the current one, so the first
+        #: snapshot comes an interval after the start, not at once).
+        self._slot = None if every.seconds is None else every.slot(0, time.time())
+        #: The group decided to snapshot the state of the step it just committed.
+        self.due = False
+
+    # -- writing -------------------------------------------------------------------------
+
+    def ask(self, step: int, groups: Sequence[str]) -> bool:
+        """Rank 0: whether the state of committed `step` is to be snapshotted, of a
+        commit quorum of `groups` (replica ids, in the quorum's order)."""
+        if self.group_rank != 0 or not groups:
+            return False
+        slot = self.settings.every.slot(step, time.time())
+        if slot is None or slot == self._slot:
+            return False
+        self._slot = slot
+        if writer(slot, groups) != self.replica_id:
+            return False
+        if self.writer.busy:
+            log.warning(
+                "the snapshot due at step %d is skipped: the last one is still being written to %s",
+                step,
+                self.storage.location,
+            )
+            return False
+        return True
+
+    def committed(self, snapshot: bool) -> None:
+        self.due = snapshot
+
+    def take(self, state: dict[str, Any], step: int, state_quorum_id: int, lineage: int) -> float:
+        """Takes the snapshot the group decided on; the seconds it held the step."""
+        self.due = False
+        return self.writer.take(state, step, state_quorum_id, lineage)
+
+    def close(self, timeout: float) -> None:
+        if not self.writer.wait(timeout):
+            log.warning(
+                "a snapshot was still being written after %.0f s at shutdown; it is left "
+                "unpublished (the previous ones stay)",
+                timeout,
+            )
+
+    # -- resuming ------------------------------------------------------------------------
+
+    def resume(self) -> Manifest | None:
+        """The snapshot the group resumes from, the same on every rank: rank 0 picks the
+        newest that verifies and leaves its name in the group's store."""
+        if self.group_rank == 0:
+            manifest = _resume.newest(self.storage, self.world_size)
+            if self.world_size > 1:
+                self._store().set(_RESUME_KEY, "" if manifest is None else manifest.name)
+            return manifest
+        store = self._store()
+        store.wait([_RESUME_KEY], timedelta(seconds=SHARDS_TIMEOUT_S))
+        name = store.get(_RESUME_KEY).decode()
+        return Manifest.parse(self.storage.read(name), name) if name else None
+
+    def load(self, manifest: Manifest, state: dict[str, Any]) -> dict[str, Any]:
+        return _resume.load(self.storage, manifest, self.group_rank, state)

@@ -1,0 +1,234 @@
+"""One rank's writes of its group's snapshots, beside training.
+
+`take()` runs on the training thread: it describes the state and hands its tensors to
+torch.distributed.checkpoint's `async_save`, which copies them to host memory and
+returns; the training step waits for that copy alone. The write runs in a thread of
+its own: each rank writes its own shard (`rank-<r>/` of the data folder), checksums
+what it wrote and leaves the list in the group's store; rank 0 waits for every rank's
+list, makes the folder durable, publishes the manifest (one atomic rename), and
+removes what is past the snapshots kept.
+
+A write never fails a step: a full disk or a failing store logs one warning (and
+again only after a write succeeded), removes what it wrote and leaves the previous
+snapshots as they were. One write is in flight per rank: a snapshot due while the last
+is still being written is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from phalanx.manifest import describe_state
+from phalanx.snapshots.catalog import FileEntry, Manifest, stem, to_remove
+from phalanx.snapshots.storage import Storage
+
+log = logging.getLogger("phalanx.snapshots")
+
+#: How long rank 0 waits for the other ranks of its group to finish their shards.
+SHARDS_TIMEOUT_S = 900.0
+
+# DCP says so whenever it saves or loads without a default process group: a rank's
+# shard is its own checkpoint on purpose.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+warnings.filterwarnings("ignore", message="fsync not supported for this stream")
+
+
+class SnapshotWriter:
+    """Rank `group_rank` of a group of `world_size` writing snapshots to `storage`,
+    keeping the newest `keep`; `store` is the group's store (for W > 1)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        replica_id: str,
+        group_rank: int,
+        world_size: int,
+        keep: int,
+        store: Callable[[], dist.Store] | None,
+    ) -> None:
+        self.storage = storage
+        self.replica_id = replica_id
+        self.group_rank = group_rank
+        self.world_size = world_size
+        self.keep = keep
+        self._store = store
+        self._thread: threading.Thread | None = None
+        self._warned = False
+        #: The last snapshot this rank saw published (rank 0), for tests and logs.
+        self.published: Manifest | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A write of this rank is still in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def take(self, state: dict[str, Any], step: int, state_quorum_id: int, lineage: int) -> float:
+        """Starts the snapshot of committed `step`; returns the seconds the training
+        thread spent on it (the copy to host memory). Never raises."""
+        started = time.monotonic()
+        name = stem(step, lineage, state_quorum_id)
+        data = f"{name}.{zlib.crc32(self.replica_id.encode()):08x}.data"
+        if self.busy:
+            log.warning(
+                "the snapshot of step %d is skipped: this rank's last one is still being "
+                "written (is the storage at %s slow?)",
+                step,
+                self.storage.location,
+            )
+            self._report(name, {"failed": "skipped: the last snapshot was still being written"})
+            return time.monotonic() - started
+        try:
+            import torch.distributed.checkpoint as dcp
+
+            structure, tensors = describe_state(state)
+            flat = {str(i): t for i, t in enumerate(tensors)}
+            folder = f"{data}/rank-{self.group_rank}"
+            future = dcp.async_save(flat, storage_writer=self.storage.writer(folder), no_dist=True)
+        except Exception as e:  # a snapshot never fails a step
+            self._failed(step, f"its copy to host memory failed: {e}")
+            self._report(name, {"failed": str(e)})
+            return time.monotonic() - started
+        copied = time.monotonic() - started
+
+        def write() -> None:
+            self._write(future, name, data, structure, step, state_quorum_id, lineage, started)
+
+        self._thread = threading.Thread(target=write, name=f"phalanx-snapshot-{step}", daemon=True)
+        self._thread.start()
+        return copied
+
+    def wait(self, timeout: float) -> bool:
+        """Waits up to `timeout` for the write in flight; True when none is left."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.busy
+
+    # -- the write, in its thread -------------------------------------------------------
+
+    def _write(
+        self,
+        future: Any,
+        name: str,
+        data: str,
+        structure: bytes,
+        step: int,
+        state_quorum_id: int,
+        lineage: int,
+        started: float,
+    ) -> None:
+        folder = f"{data}/rank-{self.group_rank}"
+        try:
+            future.result()
+            files = [
+                (f"rank-{self.group_rank}/{path}", *self.storage.crc32(f"{folder}/{path}"))
+                for path, _ in self.storage.files(folder)
+            ]
+        except Exception as e:
+            self._report(name, {"failed": str(e)})
+            if self.group_rank == 0:
+                self.storage.remove(data)
+                self._failed(step, str(e))
+            return
+        shard = {"files": files, "structure": structure.decode()}
+        if self.group_rank != 0:
+            self._report(name, shard)
+            return
+        try:
+            shards = [shard, *self._gather(name)]
+            failed = [s["failed"] for s in shards if "failed" in s]
+            if failed:
+                raise RuntimeError(f"a rank of the group could not write its shard: {failed[0]}")
+            manifest = Manifest(
+                step=step,
+                state_quorum_id=state_quorum_id,
+                lineage=lineage,
+                replica_id=self.replica_id,
+                world_size=self.world_size,
+                data=data,
+                files=[FileEntry(n, size, crc) for s in shards for n, crc, size in s["files"]],
+                structures=[s["structure"] for s in shards],
+                created=time.time(),
+                write_s=time.monotonic() - started,
+            )
+            self.storage.sync(data)
+            self.storage.publish(manifest.name, manifest.to_bytes())
+        except Exception as e:
+            self.storage.remove(data)
+            self._failed(step, str(e))
+            return
+        self.published = manifest
+        if self._warned:
+            log.warning("snapshots are written again: step %d in %s", step, self.storage.location)
+        self._warned = False
+        log.info(
+            "snapshot of step %d written: %.1f MB in %.2f s (%s)",
+            step,
+            manifest.nbytes / 1e6,
+            manifest.write_s,
+            self.storage.url(manifest.name),
+        )
+        self._prune()
+
+    def _report(self, name: str, shard: dict[str, Any]) -> None:
+        """Leaves this rank's outcome for rank 0 (a group of one has no one to tell)."""
+        if self.group_rank == 0 or self._store is None:
+            return
+        try:
+            self._store().set(f"{name}/{self.group_rank}", json.dumps(shard))
+        except Exception as e:
+            log.warning("cannot tell rank 0 of the snapshot %s: %s", name, e)
+
+    def _gather(self, name: str) -> list[dict[str, Any]]:
+        """The other ranks' shards of snapshot `name`, in rank order."""
+        if self.world_size == 1:
+            return []
+        assert self._store is not None
+        store = self._store()
+        keys = [f"{name}/{r}" for r in range(1, self.world_size)]
+        store.wait(keys, timedelta(seconds=SHARDS_TIMEOUT_S))
+        shards = [json.loads(store.get(key)) for key in keys]
+        for key in keys:
+            store.delete_key(key)
+        return shards
+
+    def _prune(self) -> None:
+        try:
+            names = self.storage.names()
+            kept = names_kept(self.storage, names, self.keep)
+            for name in to_remove(names, self.keep, kept):
+                self.storage.remove(name)
+        except Exception as e:
+            log.warning("cannot remove old snapshots in %s: %s", self.storage.location, e)
+
+    def _failed(self, step: int, why: str) -> None:
+        """One warning per run of failures; the previous snapshots stay."""
+        message = "snapshot of step %d not written (%s): %s; the previous snapshots stay"
+        if self._warned:
+            log.info(message, step, self.storage.location, why)
+            return
+        self._warned = True
+        log.warning(message + "; training goes on", step, self.storage.location, why)
+
+
+def names_kept(storage: Storage, names: list[str], keep: int) -> list[str]:
+    """The data folders the newest `keep` manifests name."""
+    from phalanx.snapshots.catalog import newest_first
+
+    kept = []
+    for name in newest_first(names)[:keep]:
+        try:
+            kept.append(Manifest.parse(storage.read(name), name).data)
+        except (ValueError, OSError):
+            continue
+    return kept
