@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from phalanx import _core
 from phalanx.launcher.chaos import Chaos
 from phalanx.restarts import MAX_BACKOFF
+from phalanx.snapshots import SnapshotSettings
 from phalanx.token import new_token, resolve_token
 
 
@@ -81,6 +82,8 @@ class LaunchConfig:
     fork_server: bool = True
     #: `import torchft` in the ranks is `phalanx.torchft` (`torchft_alias_dir`).
     as_torchft: bool = False
+    #: Durable snapshots of the job's state, passed to the ranks (None: none).
+    snapshots: SnapshotSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -119,7 +122,25 @@ class LaunchConfig:
             chaos_seed=args.chaos_seed,
             fork_server=args.fork_server,
             as_torchft=args.as_torchft,
+            snapshots=snapshot_settings(args.snapshot_dir, args.snapshot_every, args.snapshot_keep),
         )
+
+    def rank_environ(self) -> dict[str, str]:
+        """What the config adds to every rank's environment.
+
+        >>> config = LaunchConfig(("train.py",), snapshots=SnapshotSettings.of("/ckpt", "500"))
+        >>> config.rank_environ()["PHALANX_SNAPSHOT_EVERY"]
+        '500'
+        """
+        s = self.snapshots
+        if s is None:
+            return {}
+        every = str(s.every.steps) if s.every.steps is not None else f"{s.every.seconds:g}s"
+        return {
+            "PHALANX_SNAPSHOT_DIR": s.location,
+            "PHALANX_SNAPSHOT_EVERY": every,
+            "PHALANX_SNAPSHOT_KEEP": str(s.keep),
+        }
 
     def replica_ids(self) -> list[str]:
         if self.replicas == 1 and self.replica_id:
@@ -138,7 +159,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lighthouse_options(parser)
     _add_access_options(parser)
     _add_rank_options(parser)
+    _add_snapshot_options(parser)
     return parser
+
+
+def snapshot_settings(
+    location: str | None, every: str | None, keep: int
+) -> SnapshotSettings | None:
+    """The snapshots of `--snapshot-dir/--snapshot-every/--snapshot-keep`; ValueError
+    when one is given without the other."""
+    if location is None and every is None:
+        return None
+    if location is None or every is None:
+        given, missing = (
+            ("--snapshot-dir", "--snapshot-every")
+            if every is None
+            else (
+                "--snapshot-every",
+                "--snapshot-dir",
+            )
+        )
+        raise ValueError(f"{given} needs {missing} too (where snapshots go, and how often)")
+    return SnapshotSettings.of(location, every, keep)
+
+
+def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
+    """Durable snapshots, for the loss of every group at once."""
+    parser.add_argument(
+        "--snapshot-dir",
+        metavar="DIR|URL",
+        help="where the job's snapshots go: a directory (shared by a group's ranks) or an "
+        "fsspec URL; a job whose every group was lost resumes from the newest (default: none)",
+    )
+    parser.add_argument(
+        "--snapshot-every",
+        metavar="N|DURATION",
+        help="snapshot every N committed steps (e.g. 500) or every DURATION (e.g. 10m); one "
+        "group writes each, in turn, beside training",
+    )
+    parser.add_argument(
+        "--snapshot-keep",
+        type=int,
+        default=2,
+        metavar="K",
+        help="snapshots kept, newest first (default: 2)",
+    )
 
 
 def _add_group_options(parser: argparse.ArgumentParser) -> None:

@@ -320,6 +320,7 @@ class Launcher:
         self.command = resolve(self.command)
         # The token reaches the ranks as text; a token file of the launcher's, too.
         self.rank_environ = {k: v for k, v in os.environ.items() if k != "PHALANX_TOKEN_FILE"}
+        self.rank_environ.update(self.config.rank_environ())
         if self.config.as_torchft:
             alias = torchft_alias_dir(self.command, self.rank_environ)
             given = self.rank_environ.get("PYTHONPATH")
