@@ -295,21 +295,27 @@ class Manager:
         heal succeeds."""
         return self._rank.held.torn
 
-    def shutdown(self) -> None:
-        """Stops this rank's servers and threads (and waits for them); idempotent."""
+    def shutdown(self, *, snapshot: bool = True) -> None:
+        """Stops this rank's servers and threads (and waits for them); idempotent.
+
+        With snapshots on, a snapshot the group decided on at the last commit is taken
+        first, of the state as the training loop left it (after `optimizer.step()`),
+        and a write in flight is waited for (up to the heal timeout). `snapshot=False`
+        skips the new one: leaving a `with Manager(...)` block on an exception does, as
+        the step may not have been applied."""
         if self._closed:
             return
         self._closed = True
         watchdog.left(self)
         if self._step is not None:
             self._step.abort.set()
-        self._rank.close()
+        self._rank.close(snapshot)
 
     def __enter__(self) -> Manager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.shutdown(snapshot=exc_type is None)
 
     @property
     def _quorum(self) -> _core.QuorumResult | None:

@@ -97,10 +97,13 @@ class Rank:
             # Still here: this process hosts other groups' ranks too, and lives on.
             self.services.client.disarm_eviction_exit()
 
-    def close(self) -> None:
-        """Stops the servers and threads and waits for the watcher to end (and for a
-        snapshot being written, up to the heal timeout)."""
+    def close(self, snapshot: bool = True) -> None:
+        """Stops the servers and threads and waits for the watcher to end; takes the
+        snapshot the group decided on (`snapshot`), and waits for a snapshot being
+        written, up to the heal timeout."""
         if self.snapshots is not None:
+            if snapshot:
+                snapshot_or_resume(self, first=False)
             self.snapshots.close(self.settings.timeouts.heal)
         self.progress.stop()
         self.peers.close()

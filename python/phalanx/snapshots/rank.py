@@ -71,8 +71,17 @@ class RankSnapshots:
         world_size: int,
         store: Callable[[], dist.Store],
     ) -> None:
+        # Imported now, not on the training thread at the first snapshot (a second).
+        import torch.distributed.checkpoint  # noqa: F401
+
         self.settings = settings
-        self.storage = Storage.at(settings.location)
+        try:
+            self.storage = Storage.at(settings.location)
+        except OSError as e:
+            raise ValueError(
+                f"snapshot_dir {settings.location!r} cannot be used: {e}; give a directory "
+                "this process can create and write (or an fsspec URL)"
+            ) from None
         self.group_rank = group_rank
         self.world_size = world_size
         self.replica_id = replica_id

@@ -16,6 +16,7 @@ from typing import Any
 from phalanx.manifest import decode_state
 from phalanx.snapshots.catalog import DamagedSnapshotError, Manifest, newest_first
 from phalanx.snapshots.storage import Storage
+from phalanx.snapshots.writer import quiet_dcp
 
 log = logging.getLogger("phalanx.snapshots")
 
@@ -83,6 +84,7 @@ def load(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any])
     loaded, rx = decode_state(manifest.structures[rank].encode(), state)
     rx.regions()  # every tensor of the structure has its destination
     tensors = {str(i): t for i, t in enumerate(rx.dest)}
+    quiet_dcp()
     dcp.load(tensors, storage_reader=storage.reader(f"{manifest.data}/rank-{rank}"), no_dist=True)
     for staged, target in rx.device_copies:
         target.copy_(staged)

@@ -70,6 +70,10 @@ class Storage(ABC):
     def sync(self, folder: str) -> None:  # noqa: B027 (most stores have nothing to do)
         """Makes what was written under `folder` durable (where the storage can)."""
 
+    def free_bytes(self) -> int | None:
+        """Bytes free where snapshots are written, where the storage can tell."""
+        return None
+
     def writer(self, folder: str) -> Any:
         """A DCP storage writer into `folder`."""
         from torch.distributed.checkpoint import FileSystemWriter
@@ -132,6 +136,12 @@ class LocalStorage(Storage):
                 crc = zlib.crc32(view[:n], crc)
                 size += n
         return crc, size
+
+    def free_bytes(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return None
 
     def sync(self, folder: str) -> None:
         # DCP fsyncs the files it writes; the folders that name them are made durable

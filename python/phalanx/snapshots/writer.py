@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from phalanx.manifest import describe_state
 from phalanx.snapshots.catalog import FileEntry, Manifest, stem, to_remove
@@ -37,10 +38,13 @@ log = logging.getLogger("phalanx.snapshots")
 #: How long rank 0 waits for the other ranks of its group to finish their shards.
 SHARDS_TIMEOUT_S = 900.0
 
-# DCP says so whenever it saves or loads without a default process group: a rank's
-# shard is its own checkpoint on purpose.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-warnings.filterwarnings("ignore", message="fsync not supported for this stream")
+
+def quiet_dcp() -> None:
+    """DCP warns whenever it saves or loads without a process group, and when a store
+    cannot fsync; a rank's shard is its own checkpoint on purpose. Placed first among
+    the filters at each call (a filter made once would come after any later "error")."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+    warnings.filterwarnings("ignore", message="fsync not supported for this stream")
 
 
 class SnapshotWriter:
@@ -94,6 +98,7 @@ class SnapshotWriter:
             structure, tensors = describe_state(state)
             flat = {str(i): t for i, t in enumerate(tensors)}
             folder = f"{data}/rank-{self.group_rank}"
+            quiet_dcp()
             future = dcp.async_save(flat, storage_writer=self.storage.writer(folder), no_dist=True)
         except Exception as e:  # a snapshot never fails a step
             self._failed(step, f"its copy to host memory failed: {e}")
@@ -134,11 +139,12 @@ class SnapshotWriter:
                 (f"rank-{self.group_rank}/{path}", *self.storage.crc32(f"{folder}/{path}"))
                 for path, _ in self.storage.files(folder)
             ]
-        except Exception as e:
-            self._report(name, {"failed": str(e)})
+        except (Exception, CheckpointException) as e:
+            why = self._reason(e, sum(size for _, size in self._files_or_none(folder)))
+            self._report(name, {"failed": why})
             if self.group_rank == 0:
                 self.storage.remove(data)
-                self._failed(step, str(e))
+                self._failed(step, why)
             return
         shard = {"files": files, "structure": structure.decode()}
         if self.group_rank != 0:
@@ -163,9 +169,9 @@ class SnapshotWriter:
             )
             self.storage.sync(data)
             self.storage.publish(manifest.name, manifest.to_bytes())
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             self.storage.remove(data)
-            self._failed(step, str(e))
+            self._failed(step, self._reason(e, 0))
             return
         self.published = manifest
         if self._warned:
@@ -179,6 +185,23 @@ class SnapshotWriter:
             self.storage.url(manifest.name),
         )
         self._prune()
+
+    def _files_or_none(self, folder: str) -> list[tuple[str, int]]:
+        try:
+            return self.storage.files(folder)
+        except OSError:
+            return []
+
+    def _reason(self, error: BaseException, written: int) -> str:
+        """What went wrong, in a line: DCP wraps the error of each rank it failed on."""
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict) and failures:
+            error = next(iter(failures.values()))
+        why = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+        free = self.storage.free_bytes()
+        if free is not None and free < max(written, 1 << 20):
+            why += f" (the storage is full: {free / 1e6:.1f} MB free at {self.storage.location})"
+        return why
 
     def _report(self, name: str, shard: dict[str, Any]) -> None:
         """Leaves this rank's outcome for rank 0 (a group of one has no one to tell)."""
