@@ -408,3 +408,23 @@ def test_a_live_group_wins_over_an_older_snapshot(tmp_path, caplog):
     assert min(seen_a) > 12, "a healed to b's step"
     assert "not loaded: a live group holds a newer state" in caplog.text
     assert seen_a[40] == seen_b[40]
+
+
+def test_the_slot_rotates_over_the_groups_and_a_failed_step_asks_again(tmp_path):
+    from phalanx.snapshots import RankSnapshots
+
+    settings = SnapshotSettings.of(tmp_path, 5)
+    a = RankSnapshots(settings, replica_id="a", group_rank=0, world_size=1, store=lambda: None)
+    groups = ["a", "b"]
+    assert not a.ask(4, groups)
+    assert not a.ask(5, groups), "slot 1 is b's"
+    a.committed(True, False)
+    assert a.ask(10, groups), "slot 2 is a's"
+    a.committed(False, False)  # the step failed: its retry asks again
+    assert a.ask(10, groups)
+    a.committed(True, True)
+    assert a.due and not a.ask(10, groups)
+    other_rank = RankSnapshots(
+        settings, replica_id="a", group_rank=1, world_size=2, store=lambda: None
+    )
+    assert not other_rank.ask(10, groups), "rank 0 asks for the group"

@@ -352,7 +352,7 @@ def conclude(rank: Rank, step: Step, decision: Decision, took: float) -> bool:
     record.failure = (step.failure or "a rank voted no") if not commit else None
     record.participants = 0 if quorum is None else quorum.contributors
     if rank.snapshots is not None:
-        rank.snapshots.committed(commit and decision.snapshot)
+        rank.snapshots.committed(commit, decision.snapshot)
     if commit:
         assert quorum is not None
         rank.held.committed(quorum.quorum_id, quorum.lineage)

@@ -98,20 +98,24 @@ class RankSnapshots:
         #: The last slot rank 0 considered (by time: the current one, so the first
         #: snapshot comes an interval after the start, not at once).
         self._slot = None if every.seconds is None else every.slot(0, time.time())
+        #: The slot of the step being voted on, if it is one to consider.
+        self._asking: int | None = None
         #: The group decided to snapshot the state of the step it just committed.
         self.due = False
 
     # -- writing -------------------------------------------------------------------------
 
     def ask(self, step: int, groups: Sequence[str]) -> bool:
-        """Rank 0: whether the state of committed `step` is to be snapshotted, of a
-        commit quorum of `groups` (replica ids, in the quorum's order)."""
+        """Rank 0: whether the state of `step`, if it commits, is to be snapshotted, of
+        a commit quorum of `groups` (replica ids, in the quorum's order). A slot counts
+        as done once a step of it commits (a step that fails asks again)."""
+        self._asking = None
         if self.group_rank != 0 or not groups:
             return False
         slot = self.settings.every.slot(step, time.time())
         if slot is None or slot == self._slot:
             return False
-        self._slot = slot
+        self._asking = slot
         if writer(slot, groups) != self.replica_id:
             return False
         if self.writer.busy:
@@ -123,8 +127,12 @@ class RankSnapshots:
             return False
         return True
 
-    def committed(self, snapshot: bool) -> None:
-        self.due = snapshot
+    def committed(self, commit: bool, snapshot: bool) -> None:
+        """The group's decision on the step just voted on."""
+        if commit and self._asking is not None:
+            self._slot = self._asking
+        self._asking = None
+        self.due = commit and snapshot
 
     def take(self, state: dict[str, Any], step: int, state_quorum_id: int, lineage: int) -> float:
         """Takes the snapshot the group decided on; the seconds it held the step."""
