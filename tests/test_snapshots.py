@@ -428,3 +428,20 @@ def test_the_slot_rotates_over_the_groups_and_a_failed_step_asks_again(tmp_path)
         settings, replica_id="a", group_rank=1, world_size=2, store=lambda: None
     )
     assert not other_rank.ask(10, groups), "rank 0 asks for the group"
+
+
+def test_phalanx_snapshots_lists_newest_first_and_names_the_one_a_resume_loads(tmp_path, capsys):
+    from phalanx.snapshots import listing
+
+    storage = Storage.at(tmp_path)
+    model, opt = trained()
+    write(storage, state_of(model, opt), 10)
+    newer = write(storage, state_of(model, opt), 20)
+    _corrupt(tmp_path / newer.data / "rank-0" / "__0_0.distcp", "bit-flipped")
+    assert listing.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("step-0000000020") < out.index("step-0000000010")
+    assert "DAMAGED" in out and "fails its checksum" in out
+    assert "resumes from step 10" in out
+    assert listing.main([str(tmp_path / "nowhere")]) == 1
+    assert not (tmp_path / "nowhere").exists()

@@ -7,6 +7,7 @@ phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
 phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
             [--token-file FILE] [--max-restarts K] [--chaos kill-every=15s]
             [--as-torchft] -- train.py ARGS...
+phalanx snapshots DIR|URL [--no-verify]
 phalanx token FILE [--force]
 phalanx torchft-path      # export PYTHONPATH="$(phalanx torchft-path)${PYTHONPATH:+:$PYTHONPATH}"
 """
@@ -42,6 +43,12 @@ def _demo(args: list[str]) -> int:
     return job.main(args)
 
 
+def _snapshots(args: list[str]) -> int:
+    from phalanx.snapshots import listing
+
+    return listing.main(args)
+
+
 def _token(args: list[str]) -> int:
     from phalanx import token
 
@@ -67,6 +74,7 @@ COMMANDS = {
     "demo": (_demo, "train a small model through a failure every 15 s; report the result"),
     "lighthouse": (_lighthouse, "run a job's lighthouse (quorum, liveness, status page)"),
     "run": (_run, "start replica groups of a training script, restart failed ones"),
+    "snapshots": (_snapshots, "list and verify a job's snapshots, newest first"),
     "token": (_token, "write a new job token to a file only you can read"),
     "torchft-path": (_torchft_path, "print the folder that makes `import torchft` phalanx's"),
 }

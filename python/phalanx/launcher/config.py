@@ -189,7 +189,8 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
         "--snapshot-dir",
         metavar="DIR|URL",
         help="where the job's snapshots go: a directory (shared by a group's ranks) or an "
-        "fsspec URL; a job whose every group was lost resumes from the newest (default: none)",
+        "fsspec URL; a job whose every group was lost resumes from the newest; `phalanx "
+        "snapshots DIR` lists them (default: none)",
     )
     parser.add_argument(
         "--snapshot-every",

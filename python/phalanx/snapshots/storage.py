@@ -33,11 +33,13 @@ class Storage(ABC):
     location: str
 
     @staticmethod
-    def at(location: str | os.PathLike[str]) -> Storage:
+    def at(location: str | os.PathLike[str], create: bool = True) -> Storage:
+        """The storage at a path or URL, made if missing (`create`), else
+        FileNotFoundError."""
         text = os.fspath(location)
         if "://" in text and not text.startswith("file://"):
-            return FsspecStorage(text)
-        return LocalStorage(Path(text.removeprefix("file://")))
+            return FsspecStorage(text, create)
+        return LocalStorage(Path(text.removeprefix("file://")), create)
 
     @abstractmethod
     def names(self) -> list[str]:
@@ -87,10 +89,13 @@ class Storage(ABC):
 
 
 class LocalStorage(Storage):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, create: bool = True) -> None:
         self.root = root
         self.location = str(root)
-        root.mkdir(parents=True, exist_ok=True)
+        if create:
+            root.mkdir(parents=True, exist_ok=True)
+        elif not root.is_dir():
+            raise FileNotFoundError(f"no snapshot directory {root}")
 
     def names(self) -> list[str]:
         return sorted(os.listdir(self.root))
@@ -157,7 +162,7 @@ class FsspecStorage(Storage):
     """Any fsspec filesystem. An object store has no rename of folders, but writes one
     object at once: the manifest, written last, publishes the snapshot."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, create: bool = True) -> None:
         try:
             from fsspec.core import url_to_fs
         except ImportError:
@@ -168,7 +173,10 @@ class FsspecStorage(Storage):
         self.location = url
         self.fs, self.root = url_to_fs(url)
         self.root = self.root.rstrip("/")
-        self.fs.makedirs(self.root, exist_ok=True)
+        if create:
+            self.fs.makedirs(self.root, exist_ok=True)
+        elif not self.fs.isdir(self.root):
+            raise FileNotFoundError(f"no snapshot folder {url}")
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
