@@ -260,7 +260,9 @@ def test_an_fsspec_url_holds_snapshots_too():
         storage.fs.rm("/phalanx-test-snapshots", recursive=True)
 
 
-def test_a_group_of_two_ranks_writes_one_snapshot_with_both_shards(tmp_path):
+@pytest.fixture
+def two_ranks(tmp_path):
+    """The storage and the writers of ranks 0 and 1 of one group, over its store."""
     storage = Storage.at(tmp_path)
     with (
         _core.LighthouseServer() as lighthouse,
@@ -273,11 +275,16 @@ def test_a_group_of_two_ranks_writes_one_snapshot_with_both_shards(tmp_path):
             )
             for r in (0, 1)
         ]
-        shards = [{"m": {"w": torch.full((1000,), float(r))}} for r in (0, 1)]
-        # Rank 1 writes first, rank 0 a moment later: rank 0 publishes once both are in.
-        writers[1].take(shards[1], 10, 3, 0)
-        writers[0].take(shards[0], 10, 3, 0)
-        assert all(w.wait(60) for w in writers)
+        yield storage, writers
+
+
+def test_a_group_of_two_ranks_writes_one_snapshot_with_both_shards(two_ranks):
+    storage, writers = two_ranks
+    shards = [{"m": {"w": torch.full((1000,), float(r))}} for r in (0, 1)]
+    # Rank 1 writes first, rank 0 a moment later: rank 0 publishes once both are in.
+    writers[1].take(shards[1], 10, 3, 0)
+    writers[0].take(shards[0], 10, 3, 0)
+    assert all(w.wait(60) for w in writers)
     published = writers[0].published
     assert published is not None and published.world_size == 2
     assert {f.name.split("/")[0] for f in published.files} == {"rank-0", "rank-1"}
@@ -286,23 +293,12 @@ def test_a_group_of_two_ranks_writes_one_snapshot_with_both_shards(tmp_path):
         assert torch.equal(loaded["m"]["w"], shards[r]["m"]["w"])
 
 
-def test_a_rank_that_cannot_write_its_shard_keeps_the_group_from_publishing(tmp_path, caplog):
-    storage = Storage.at(tmp_path)
-    with (
-        _core.LighthouseServer() as lighthouse,
-        _core.ManagerServer("g0", lighthouse.address, token=TOKEN) as server,
-    ):
-        store = Store(server.address, token=TOKEN, timeout=10.0)
-        writers = [
-            SnapshotWriter(
-                storage, replica_id="g0", group_rank=r, world_size=2, keep=2, store=lambda: store
-            )
-            for r in (0, 1)
-        ]
-        with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
-            writers[1].take({"m": {"w": object()}}, 10, 3, 0)  # cannot be snapshotted
-            writers[0].take({"m": {"w": torch.ones(10)}}, 10, 3, 0)
-            assert all(w.wait(60) for w in writers)
+def test_a_rank_that_cannot_write_its_shard_keeps_the_group_from_publishing(two_ranks, caplog):
+    storage, writers = two_ranks
+    with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
+        writers[1].take({"m": {"w": object()}}, 10, 3, 0)  # cannot be snapshotted
+        writers[0].take({"m": {"w": torch.ones(10)}}, 10, 3, 0)
+        assert all(w.wait(60) for w in writers)
     assert writers[0].published is None
     assert "could not write its shard" in caplog.text
     assert storage.names() == []
