@@ -45,6 +45,9 @@ class Member:
     def lineage(self) -> int:
         """With `step` and `state_quorum_id`, which state the group holds: its lineage
         (0: the job's first; a rollback starts a new one, numbered by its quorum)."""
+    @property
+    def unreachable(self) -> list[str]:
+        """Members of the group's last quorum it could not reach (see `phalanx.peers`)."""
 
 class StateIdentity:
     """Which state a group holds; of two, the one of the later lineage, then the later

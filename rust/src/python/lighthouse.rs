@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::runtime::{connect, control, wait};
-use super::types::{LighthouseStatus, Quorum, ReplicaStatus};
+use super::types::{LighthouseStatus, Quorum};
 use super::{seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
@@ -136,43 +136,16 @@ impl LighthouseClient {
         };
         let last_quorum_id = unsigned("last_quorum_id", last_quorum_id)?;
         let client = self.inner.clone();
-        let q = wait(py, async move {
+        wait(py, async move {
             client.quorum(member, last_quorum_id, timeout).await
-        })?;
-        Ok(q.into())
+        })
     }
 
     #[pyo3(signature = (timeout = 5.0))]
     fn status(&self, py: Python<'_>, timeout: f64) -> PyResult<LighthouseStatus> {
         let timeout = seconds("timeout", timeout)?;
         let client = self.inner.clone();
-        let s = wait(py, async move { client.status(timeout).await })?;
-        Ok(LighthouseStatus {
-            quorum_id: s.quorum_id,
-            quorum_members: s.quorum_members,
-            replicas: s
-                .replicas
-                .into_iter()
-                .map(|r| ReplicaStatus {
-                    replica_id: r.replica_id,
-                    connected: r.connected,
-                    joined: r.joined,
-                    in_quorum: r.in_quorum,
-                    step: r.step,
-                    heartbeat_age_ms: r.heartbeat_age_ms,
-                    peer: r.peer,
-                    progress_age_ms: r.progress_age_ms,
-                    step_time_ms: r.step_time_ms,
-                    straggler: r.straggler,
-                })
-                .collect(),
-            waiting_for: s.waiting_for,
-            quorums_issued: s.quorums_issued,
-            uptime_ms: s.uptime_ms,
-            min_replicas: s.min_replicas,
-            join_timeout_ms: s.join_timeout_ms,
-            heartbeat_timeout_ms: s.heartbeat_timeout_ms,
-        })
+        wait(py, async move { client.status(timeout).await })
     }
 }
 

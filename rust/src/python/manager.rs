@@ -119,14 +119,13 @@ impl PendingQuorum {
                     "this quorum was taken already: result() answers once; keep what it returned",
                 )
             })?;
-        let r = wait(py, async move {
+        wait(py, async move {
             answered.await.unwrap_or_else(|_| {
                 Err(crate::Error::Rpc(tonic::Status::unavailable(
                     "the phalanx runtime stopped before the quorum came",
                 )))
             })
-        })?;
-        Ok(r.into())
+        })
     }
 }
 
@@ -280,12 +279,7 @@ impl ManagerClient {
             ..Default::default()
         };
         let client = self.inner.clone();
-        let d = wait(py, async move { client.should_commit(vote, timeout).await })?;
-        Ok(CommitDecision {
-            commit: d.commit,
-            torn: d.torn,
-            snapshot: d.snapshot,
-        })
+        wait(py, async move { client.should_commit(vote, timeout).await })
     }
 
     /// Reports what `group_rank`'s training thread did lately: `marks` counts its
@@ -408,7 +402,7 @@ impl ManagerClient {
                 .await
                 .unwrap_or_default())
         })?;
-        Ok(event.map(Into::into))
+        Ok(event)
     }
 }
 
