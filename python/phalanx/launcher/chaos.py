@@ -19,7 +19,9 @@ class Chaos:
     """Failures injected on purpose: SIGKILL a random live group every `kill_every`
     seconds; SIGSTOP one every `hang_every` seconds and SIGCONT it `hang_for` later;
     every `hang_thread_every` seconds, block the training thread of one rank of a
-    random group for `hang_for` while its process lives on (see `phalanx.watchdog`)."""
+    random group for `hang_for` while its process lives on (see `phalanx.watchdog`);
+    every `kill_all_every` seconds, SIGKILL every rank of every group at once (the loss
+    of the whole job: with durable snapshots it resumes from the newest)."""
 
     kill_every: float | None = None
     hang_every: float | None = None
@@ -27,6 +29,7 @@ class Chaos:
     hang_thread_every: float | None = None
     #: How long a thread hang lasts, if not `hang_for` (which a SIGSTOP also uses).
     hang_thread_for: float | None = None
+    kill_all_every: float | None = None
 
     @property
     def thread_hang_s(self) -> float:
@@ -40,6 +43,8 @@ class Chaos:
         (15.0, 60.0, 3.0, None)
         >>> Chaos.parse(["hang-thread-every=30s,hang-for=60s"]).hang_thread_every
         30.0
+        >>> Chaos.parse(["kill-all-every=1m"]).kill_all_every
+        60.0
         """
         given: dict[str, float] = {}
         for spec in specs:
@@ -52,11 +57,12 @@ class Chaos:
                     "hang_for",
                     "hang_thread_every",
                     "hang_thread_for",
+                    "kill_all_every",
                 ):
                     raise ValueError(
                         f"--chaos {item!r}: use kill-every=DURATION, hang-every=DURATION, "
-                        "hang-thread-every=DURATION, hang-for=DURATION or "
-                        "hang-thread-for=DURATION"
+                        "hang-thread-every=DURATION, hang-for=DURATION, "
+                        "hang-thread-for=DURATION or kill-all-every=DURATION"
                     )
                 given[name] = _core.parse_duration(value)
         return cls(**given)
@@ -73,6 +79,7 @@ class Injector:
         self.next_kill: float | None = None
         self.next_hang: float | None = None
         self.next_thread_hang: float | None = None
+        self.next_kill_all: float | None = None
 
     def inject(self, now: float, groups: list[Group]) -> None:
         """Injects into `groups` the failures that are due; the clocks start at the
@@ -81,11 +88,19 @@ class Injector:
             self.next_kill = now + (self.chaos.kill_every or 0)
             self.next_hang = now + (self.chaos.hang_every or 0)
             self.next_thread_hang = now + (self.chaos.hang_thread_every or 0)
+            self.next_kill_all = now + (self.chaos.kill_all_every or 0)
         live = [g for g in groups if g.alive and g.stopped_until is None]
         if any(g.done for g in groups):
             # The job is ending: a group that is still running may be the last one
             # holding its state, and killing it would start the job over.
             live = []
+        if self.chaos.kill_all_every and now >= (self.next_kill_all or 0):
+            self.next_kill_all = now + self.chaos.kill_all_every
+            # Hung groups die too; none if the job is ending (see `live`).
+            if any(g.alive for g in groups) and not any(g.done for g in groups):
+                self.kill_all(groups)
+                self.resume_due(now, groups)
+                return
         if self.chaos.kill_every and now >= self.next_kill:
             self.next_kill = now + self.chaos.kill_every
             if live:
@@ -123,9 +138,28 @@ class Injector:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim.procs[rank].pid, watchdog.CHAOS_SIGNAL)
                 self.observer.group_event("hang-thread", victim)
+        self.resume_due(now, groups)
+
+    def resume_due(self, now: float, groups: list[Group]) -> None:
+        """SIGCONT to each group whose SIGSTOP has lasted its `hang_for`."""
         for group in groups:
             if group.stopped_until is not None and now >= group.stopped_until:
                 group.stopped_until = None
                 self.observer.say(f"chaos: SIGCONT {group.replica_id}")
                 group.signal(signal.SIGCONT)
                 self.observer.group_event("resume", group)
+
+    def kill_all(self, groups: list[Group]) -> None:
+        """SIGKILL to every rank of every running group, hung ones included, before
+        any is reaped: no group outlives another to hold the job's state."""
+        victims = [g for g in groups if g.alive]
+        self.observer.say(
+            "chaos: SIGKILL every group at once (" + ", ".join(g.replica_id for g in victims) + ")"
+        )
+        for victim in victims:
+            victim.chaos_killed = True
+            victim.stopped_until = None  # its SIGCONT is moot: the process is gone
+            victim.chaos_thread_hung_until = None
+            victim.signal(signal.SIGKILL)
+        for victim in victims:
+            self.observer.group_event("kill-all", victim)
