@@ -419,3 +419,20 @@ def test_a_full_disk_costs_the_demo_its_files_not_its_training(tiny_disk):
     assert warnings, out[-3000:]
     assert len(warnings) == len({w.split("cannot write ")[1].split(" ")[0] for w in warnings})
     assert "committed" in out and "bit-identical" in out, out[-3000:]
+    # A file given up ends on a whole record, or is gone: none is empty or half written.
+    left = {f.name: f.read_bytes() for f in tiny_disk.iterdir()}
+    assert all(left.values()), f"empty files left: {[k for k, v in left.items() if not v]}"
+    for name in ("steps.jsonl", "events.jsonl", "ranks.log"):
+        assert left.get(name, b"\n").endswith(b"\n"), (name, left[name][-200:])
+    for name in ("steps.jsonl", "events.jsonl"):
+        for line in left.get(name, b"").splitlines():
+            json.loads(line)
+    if "report.json" in left:
+        json.loads(left["report.json"])
+    if "report.png" in left:
+        assert left["report.png"].startswith(b"\x89PNG")
+    lost = [name for name in DEMO_FILES if name not in left]
+    assert not lost or f"not written: {', '.join(lost)}" in out, out[-3000:]
+
+
+DEMO_FILES = ["report.json", "report.png", "steps.jsonl", "events.jsonl", "ranks.log"]

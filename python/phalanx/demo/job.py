@@ -5,10 +5,18 @@ launcher's events (`events.jsonl`) and the ranks' other output (`ranks.log`) are
 `--out`. Times count from the job's first committed step, as `--duration` does.
 
     phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out phalanx-demo]
+    phalanx demo --snapshot-every 50 --kill-all-every 60s   # lose the whole job, resume
+
+With `--snapshot-every N` one group writes the job's committed state to
+`--snapshot-dir` (default: `snapshots/` in `--out`) every N committed steps;
+`--kill-all-every` SIGKILLs every rank of every group at once, and the job resumes
+from its newest snapshot: the report counts, for each such loss, the steps lost
+(at most N) and redone, and how long the job took to commit again.
 
 Exit status: 0 when the job trained and its replicas agree; 1 when no step committed;
-3 when a step was committed with two or more fingerprints (the replicas diverged:
-the run printed the first such steps, and report.json lists them in `split_steps`);
+3 when a step was committed with two or more fingerprints within one lineage (the
+replicas diverged: the run printed the first such steps, and report.json lists them
+in `split_steps`; a step redone after a rollback is of a new lineage, a new state);
 130 when interrupted.
 """
 
@@ -19,23 +27,27 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from phalanx import launcher
 from phalanx.demo.display import Progress
 from phalanx.demo.lighthouses import LighthouseSet
 from phalanx.demo.report import (
     FAILURE_KINDS,
+    JOB_LOSS,
     analyze,
     chart,
+    interval_verdict,
     plot,
     split_verdict,
     summary_table,
 )
+from phalanx.snapshots import SnapshotSettings
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
@@ -45,9 +57,10 @@ EXIT_DIVERGED = 3
 
 
 class LogFile:
-    """A file the demo logs to that can never take the job down: the first write
-    that fails (a full disk, a removed folder) is reported once through `warn`, and
-    the file is given up; training and the other files go on.
+    """A file the demo logs to, a line at a time, that can never take the job down:
+    the first write that fails (a full disk, a removed folder) is reported once
+    through `warn`, and the file is given up; training and the other files go on. A
+    file given up ends on its last whole line, or is removed when it has none.
 
     >>> warnings = []
     >>> log = LogFile(Path("/dev/full"), warnings.append)
@@ -61,40 +74,75 @@ class LogFile:
     def __init__(self, path: Path, warn: Callable[[str], None]):
         self.path = path
         self._warn = warn
-        self._file: TextIO | None = None
+        self._fd: int | None = None
+        #: Bytes of whole lines written: where the file is cut back to when it fails.
+        self._whole = 0
         try:
-            self._file = path.open("w")
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
         except OSError as e:
             self._give_up(e)
 
     def write(self, text: str) -> None:
-        if self._file is not None:
-            try:
-                self._file.write(text)
-            except OSError as e:
-                self._give_up(e)
+        """Writes `text` (whole lines) unbuffered: what is on disk is all that was
+        written, and a short write is cut back off when the next part fails."""
+        if self._fd is None:
+            return
+        encoded = text.encode()
+        data = memoryview(encoded)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            self._give_up(e)
+            return
+        self._whole += len(encoded)
 
     def close(self) -> None:
-        if self._file is not None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
             try:
-                self._file.close()
+                os.close(fd)
             except OSError as e:
-                self._give_up(e)
+                self._warn(f"cannot close {self.path} ({e.strerror or e})")
 
     def _give_up(self, error: OSError) -> None:
-        if self._file is not None:
+        kept = "nothing written"
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            kept = self._cut(fd)
             with contextlib.suppress(OSError):
-                self._file.close()  # what is buffered is lost with the file
-            self._file = None
-        self._warn(f"cannot write {self.path} ({error.strerror or error}); going on without it")
+                os.close(fd)
+        self._warn(
+            f"cannot write {self.path} ({error.strerror or error}); going on without it ({kept})"
+        )
+
+    def _cut(self, fd: int) -> str:
+        """Cuts a regular file back to its whole lines (removes it if it has none);
+        says what is left. A device or a pipe is left as it is."""
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "not a regular file"
+            if self._whole:
+                os.ftruncate(fd, self._whole)
+                return f"it ends on its last whole line, at {self._whole} bytes"
+        except OSError:
+            pass  # cannot cut it: remove it rather than leave half a line
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        return "removed: no whole line of it could be kept"
 
 
 def save(path: Path, write: Callable[[Path], object], warn: Callable[[str], None]) -> bool:
-    """Writes one of the report's files; a failure is reported, never raised."""
+    """Writes one of the report's files; a failure is reported, never raised, and
+    leaves no file behind (an empty or half-written report misleads, as would an
+    older run's under the same name)."""
     try:
         write(path)
         return True
     except OSError as e:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
         warn(f"cannot write {path} ({e.strerror or e}); skipped")
         return False
 
@@ -123,6 +171,11 @@ class DemoJob(launcher.LaunchObserver):
         self._attempted = 0
         self._committed = 0
         self._failures = 0
+        #: The whole-job losses so far; when the last one fell, until the job commits again.
+        self._losses = 0
+        self._lost_at: float | None = None
+        #: Its groups killed so far (the launcher tells of them one by one).
+        self._lost_groups: set[str] = set()
 
     def warn(self, text: str) -> None:
         self.progress.event(f"warning: {text}")
@@ -167,7 +220,17 @@ class DemoJob(launcher.LaunchObserver):
             self._ever_started.add(group.replica_id)
             if restart:
                 self._recovering[group.replica_id] = now
-                self.progress.event(f"{elapsed}  {group.replica_id} restarted, healing from peers")
+                how = "healing from peers"
+                if group.replica_id in self._lost_groups:
+                    how = "resuming from the newest snapshot, or healing from a group that did"
+                self.progress.event(f"{elapsed}  {group.replica_id} restarted, {how}")
+        elif kind == JOB_LOSS:
+            self._latest.pop(group.replica_id, None)
+            if self._lost_at is None or group.replica_id in self._lost_groups:
+                self._losses += 1
+                self._lost_at, self._lost_groups = now, set()
+                self.progress.event(f"{elapsed}  SIGKILL every group: the whole job is lost")
+            self._lost_groups.add(group.replica_id)
         elif kind == "kill":
             self._latest.pop(group.replica_id, None)
             self.progress.event(f"{elapsed}  SIGKILL {group.replica_id}")
@@ -202,6 +265,21 @@ class DemoJob(launcher.LaunchObserver):
                 f"{self._clock(record['t_end'])}  first step committed, "
                 f"{record['t_end'] - self.started:.1f} s after the launch; times count from here"
             )
+        if record.get("resume_s"):
+            self.progress.event(
+                f"{self._clock(record['t_end'])}  {replica} loaded the snapshot of step "
+                f"{record['step']} in {record['resume_s']:.2f} s"
+            )
+        lost_at = self._lost_at
+        # A killed rank's last lines may still be read after the loss: they are older.
+        if record["committed"] and lost_at is not None and record["t_start"] > lost_at:
+            seconds, self._lost_at = record["t_end"] - lost_at, None
+            self._lost_groups = set()  # a group restarted from here on heals from it
+            self.progress.event(
+                f"{self._clock(record['t_end'])}  the job is back: step {record['step']} "
+                f"committed (lineage {record.get('lineage', 0)}), {seconds:.2f} s after "
+                "the loss of every group"
+            )
         if record["committed"]:
             self._latest[replica] = record
             if replica in self._recovering:
@@ -218,10 +296,12 @@ class DemoJob(launcher.LaunchObserver):
             return
         committed, attempted, failures = self._committed, self._attempted, self._failures
         loss = sum(r["loss"] for r in live) / len(live)
+        losses = f"  job losses {self._losses}" if self._losses else ""
         self.progress.status(
             f"{self._clock(time.time())}  step {max(r['step'] for r in live) + 1:5d}"
             f"  loss {loss:5.3f}  groups {len(live)}/{self.replicas}"
-            f"  failures {failures}  group-steps committed {committed / max(attempted, 1):.1%}"
+            f"  failures {failures}{losses}"
+            f"  group-steps committed {committed / max(attempted, 1):.1%}"
         )
 
     def close(self) -> None:
@@ -237,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         "failing, on this machine, and report what the job achieved.",
         epilog="exit status: 0 trained, replicas agree; 1 no step committed; "
         f"{EXIT_DIVERGED} replicas diverged (a step committed with two or more "
-        "fingerprints; report.json lists them in split_steps); 130 interrupted",
+        "fingerprints in one lineage; report.json lists them in split_steps); 130 interrupted",
     )
     duration = launcher.parse_duration
     parser.add_argument(
@@ -257,6 +337,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=duration,
         help="block the training thread of a random group's rank this often (for 60 s; "
         "the group is evicted as stalled and restarted)",
+    )
+    parser.add_argument(
+        "--kill-all-every",
+        type=duration,
+        help="SIGKILL every rank of every group at once this often (the loss of the whole "
+        "job; it resumes from its newest snapshot: needs --snapshot-every)",
+    )
+    parser.add_argument(
+        "--snapshot-every",
+        metavar="N|DURATION",
+        help="write the job's committed state every N committed steps (e.g. 50) or every "
+        "DURATION (e.g. 30s); one group writes each, in turn",
+    )
+    parser.add_argument(
+        "--snapshot-dir",
+        type=Path,
+        help="where the snapshots go (default: snapshots/ in --out)",
+    )
+    parser.add_argument(
+        "--snapshot-keep", type=int, default=2, metavar="K", help="snapshots kept (default: 2)"
     )
     parser.add_argument(
         "--lighthouses",
@@ -293,29 +393,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.replicas < 1 or args.nproc_per_replica < 1:
-        parser.error("--replicas and --nproc-per-replica must be at least 1")
-    if args.duration <= 0:
-        parser.error("--duration must be positive, e.g. --duration 2m")
-    if args.lighthouses != 1 and args.lighthouses < 3:
-        parser.error("--lighthouses is 1, or a set of 3 or more (3 or 5) so that one may fail")
-    if args.kill_lighthouse_every and args.lighthouses < 3:
-        parser.error("--kill-lighthouse-every needs a set of lighthouses: add --lighthouses 3")
-    try:
-        token = launcher.job_token(None, args.token_file, os.environ)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        parser.error(f"cannot create the report folder {args.out}: {e}; pick another --out")
+    args, token = parse(argv)
     progress = Progress()
     progress.event(
         f"phalanx demo: {args.replicas} replica group(s) x {args.nproc_per_replica} rank(s), "
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
+        + (
+            f", SIGKILL of every group every {args.kill_all_every:g} s"
+            if args.kill_all_every
+            else ""
+        )
+        + (
+            f"; a snapshot every {args.snapshots.every} in {args.snapshots.location}"
+            if args.snapshots
+            else ""
+        )
     )
     config = launch_config(args)
     lighthouses = None
@@ -331,7 +424,7 @@ def main(argv: list[str]) -> int:
     try:
         code = launcher.Launcher(config, token, observer=job).run(
             duration=args.duration,
-            chaos_quiet=min(5.0, (args.kill_every or 0) / 2),
+            chaos_quiet=chaos_quiet(args),
             startup_timeout=STARTUP_TIMEOUT,
         )
     finally:
@@ -340,6 +433,67 @@ def main(argv: list[str]) -> int:
             lighthouses.close()
     report = write_report(args, job, exited=time.time())
     return exit_status(report, code, args.out)
+
+
+def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
+    """The snapshots of `--snapshot-every/--snapshot-dir/--snapshot-keep` (None: off);
+    ValueError for a bad value. The folder is made here, so that a bad one is refused
+    before anything starts."""
+    if not args.snapshot_every:
+        return None
+    location = args.snapshot_dir if args.snapshot_dir is not None else args.out / "snapshots"
+    location = location.absolute()  # the ranks read it, from wherever they run
+    settings = SnapshotSettings.of(str(location), args.snapshot_every, args.snapshot_keep)
+    try:
+        location.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"cannot create the snapshot folder {location}: {e.strerror or e}; pick another "
+            "--snapshot-dir"
+        ) from e
+    return settings
+
+
+def chaos_quiet(args: argparse.Namespace) -> float:
+    """No failure in the last seconds of the run: half the shortest interval, at most 5 s,
+    so that the job's end is not a failure's."""
+    every = [e for e in (args.kill_every, args.kill_all_every) if e]
+    return min(5.0, min(every, default=0.0) / 2)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, str]:
+    """The demo's options, checked (a bad one exits with a usage error before anything
+    starts), and the job token; makes the report and snapshot folders."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replicas < 1 or args.nproc_per_replica < 1:
+        parser.error("--replicas and --nproc-per-replica must be at least 1")
+    if args.duration <= 0:
+        parser.error("--duration must be positive, e.g. --duration 2m")
+    if args.lighthouses != 1 and args.lighthouses < 3:
+        parser.error("--lighthouses is 1, or a set of 3 or more (3 or 5) so that one may fail")
+    if args.kill_lighthouse_every and args.lighthouses < 3:
+        parser.error("--kill-lighthouse-every needs a set of lighthouses: add --lighthouses 3")
+    if args.kill_all_every and not args.snapshot_every:
+        parser.error(
+            "--kill-all-every loses every group's state at once: add --snapshot-every N "
+            "(e.g. 50) so that the job resumes from a snapshot"
+        )
+    if args.snapshot_dir is not None and not args.snapshot_every:
+        parser.error("--snapshot-dir needs --snapshot-every N too (how often to write one)")
+    try:
+        token = launcher.job_token(None, args.token_file, os.environ)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create the report folder {args.out}: {e}; pick another --out")
+    try:
+        args.snapshots = snapshot_settings(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args, token
 
 
 def training_args(args: argparse.Namespace) -> list[str]:
@@ -368,9 +522,11 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
             hang_for=3.0,
             hang_thread_every=args.hang_thread_every or None,
             hang_thread_for=60.0,
+            kill_all_every=args.kill_all_every or None,
         ),
         chaos_seed=args.seed,
         max_restarts=3,  # failures not injected: a broken setup gives up soon
+        snapshots=args.snapshots,
     )
 
 
@@ -383,6 +539,7 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         started=job.started,
         stopped=exited if job.stopped is None else job.stopped,
         exited=exited,
+        snapshot_every=args.snapshots.every.steps if args.snapshots else None,
     )
     report["config"] = {
         "replicas": args.replicas,
@@ -393,6 +550,9 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         "hang_thread_every_s": args.hang_thread_every,
         "lighthouses": args.lighthouses,
         "kill_lighthouse_every_s": args.kill_lighthouse_every,
+        "kill_all_every_s": args.kill_all_every,
+        "snapshot_every": str(args.snapshots.every) if args.snapshots else None,
+        "snapshot_dir": args.snapshots.location if args.snapshots else None,
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,
@@ -400,6 +560,8 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
     }
     # The summary reaches the terminal whatever the disk allows.
     print(summary_table(report))
+    if (over := interval_verdict(report)) is not None:
+        print(over)
     warn = job.warn
     save(
         args.out / "report.json", lambda p: p.write_text(json.dumps(report, indent=2) + "\n"), warn
@@ -407,11 +569,27 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
     events = "".join(json.dumps(e) + "\n" for e in job.events)
     save(args.out / "events.jsonl", lambda p: p.write_text(events), warn)
     save(args.out / "report.png", lambda p: plot(chart(job.steps, report), str(p)), warn)
-    print(
-        f"report in {args.out}/: report.json, report.png; step log steps.jsonl; launcher "
-        "events events.jsonl; rank output ranks.log"
-    )
+    print(files_line(args.out))
     return report
+
+
+#: The demo's files in --out, and what each is.
+FILES = {
+    "report.json": "the report",
+    "report.png": "its chart",
+    "steps.jsonl": "the step log",
+    "events.jsonl": "the launcher's events",
+    "ranks.log": "the ranks' other output",
+}
+
+
+def files_line(out: Path) -> str:
+    """Where the report is: the files that were written (a full disk may have cost
+    some; each was warned about)."""
+    kept = [f"{name} ({what})" for name, what in FILES.items() if (out / name).exists()]
+    missing = [name for name in FILES if not (out / name).exists()]
+    line = f"report in {out}/: " + ("; ".join(kept) if kept else "no file")
+    return line + (f"; not written: {', '.join(missing)}" if missing else "")
 
 
 def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:

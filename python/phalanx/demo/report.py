@@ -31,10 +31,24 @@ the stop count.
   the ordinary pace and the ordinary slow step (`slowest_healthy_step` says which).
 - `job_progress`: the job's steps ÷ the steps it would have made at its healthy
   pace in the time from its first step to the stop.
-- `replicas_consistent`: at every step that two or more lives committed, their
-  fingerprints of model + optimizer state agree (same rank of each group). The steps
-  where they do not are `split_steps`; `splits` says, for the first few, which group
-  committed which fingerprint in which quorum.
+- `replicas_consistent`: at every step that two or more lives committed in one
+  lineage, their fingerprints of model + optimizer state agree (same rank of each
+  group). A step number redone after a rollback is of a new lineage: a new state, not
+  a split. The steps where they do not agree are `split_steps`; `splits` says, for
+  the first few, which group committed which fingerprint in which quorum.
+- `job_losses`: each loss of every group at once (`--kill-all-every`), when
+  (`at_s`), and what it cost: `newest_step`, the newest step committed before it;
+  `resumed_from_step`, the first step committed after it (the snapshot's: its state
+  is the one step `resumed_from_step - 1` committed); `steps_lost`, the steps between
+  (`lost_steps`, first and last, and `redone_steps`, those committed again before the
+  stop, each of the new `lineage`); `within_interval`, whether they were at most the
+  snapshot interval (None for an interval of time: not checked);
+  `unpublished_snapshot_step`, a later snapshot copied before the loss that the job
+  did not resume from (still being written, or its write failed: the steps committed
+  meanwhile are lost on top of the interval); `back_after_s`, from the loss to the
+  first committed step after it, and `groups_back_after_s` until every group killed
+  had committed again; `resume_s`, the longest snapshot load. A step committed whose
+  record a killed rank never printed is not seen: the step log is all there is.
 
 >>> steps = [
 ...     {"replica": "a", "rank": 0, "pid": 1, "step": s, "committed": True, "t_start": s,
@@ -64,8 +78,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-#: Launcher events that are failures injected on purpose.
+#: Launcher events that are failures of one group injected on purpose.
 FAILURE_KINDS = ("kill", "hang", "hang-thread")
+
+#: The launcher's event for each group at the loss of every group at once (its
+#: events for one loss come one after another).
+JOB_LOSS = "kill-all"
 
 #: Steps averaged for the initial and the final loss.
 LOSS_WINDOW = 10
@@ -189,20 +207,30 @@ def phases(steps: list[dict], *, started: float, stopped: float, exited: float) 
 
 
 def restarts(steps: list[dict], events: list[dict]) -> list[dict]:
-    """The restarts that recovered, each as {"replica", "t", "pids", "recovery_s"}:
-    from the process start to the first committed step. A group is back when every
-    one of its ranks has committed a step; one killed again before that did not
-    recover."""
+    """The restarts that recovered, each as {"replica", "t", "pids", "recovery_s",
+    "after"}: from the process start to the first committed step, and the kind of
+    the group's failure before it ("kill", JOB_LOSS, "exit", ...). A group is back
+    when every one of its ranks has committed a step; one killed again before that
+    did not recover."""
     first: dict[int, float] = {}
     for r in sorted(steps, key=lambda r: r["t_end"]):
         if r["committed"]:
             first.setdefault(r["pid"], r["t_end"])
     recovered = []
+    failed: dict[str, str] = {}
     for event in events:
         pids = event.get("pids") or []
+        if event["kind"] in (*FAILURE_KINDS, JOB_LOSS):
+            failed[event["replica"]] = event["kind"]
         if event["kind"] == "start" and event.get("restart") and pids and set(pids) <= first.keys():
             recovery = max(first[p] for p in pids) - event["t"]
-            recovered.append({**_pick(event, "replica", "t", "pids"), "recovery_s": recovery})
+            recovered.append(
+                {
+                    **_pick(event, "replica", "t", "pids"),
+                    "recovery_s": recovery,
+                    "after": failed.pop(event["replica"], "exit"),
+                }
+            )
     return recovered
 
 
@@ -272,6 +300,100 @@ def failures(steps: list[dict], events: list[dict], *, stopped: float) -> list[d
     return found
 
 
+def _losses_of(events: list[dict], stopped: float) -> list[list[dict]]:
+    """The launcher's JOB_LOSS events before `stopped`, one list per loss: a loss's
+    events come one after another."""
+    found: list[list[dict]] = []
+    previous = None
+    for event in sorted(events, key=lambda e: e["t"]):
+        if event["kind"] == JOB_LOSS and event["t"] < stopped:
+            if previous is not None and previous["kind"] == JOB_LOSS:
+                found[-1].append(event)
+            else:
+                found.append([event])
+        previous = event
+    return found
+
+
+def job_losses(
+    steps: list[dict], events: list[dict], *, stopped: float, snapshot_every: int | None = None
+) -> list[dict]:
+    """Each loss of every group at once before `stopped` and what it cost, as {"t",
+    "groups_killed", "newest_step", "newest_lineage", "resumed_from_step", "lineage",
+    "from_snapshot", "steps_lost", "lost_steps", "redone_steps", "within_interval",
+    "back_t", "groups_back_t", "resume_s"} (see the module's doc).
+
+    >>> steps = [{"replica": "a", "rank": 0, "pid": 1, "step": s, "lineage": 0,
+    ...           "committed": True, "t_start": s, "t_end": s + 0.5} for s in range(8)]
+    >>> steps += [{"replica": "a", "rank": 0, "pid": 2, "step": s, "lineage": 3,
+    ...            "committed": True, "t_start": s + 5, "t_end": s + 5.5,
+    ...            "resume_s": 0.2 if s == 5 else 0.0} for s in range(5, 10)]
+    >>> (loss,) = job_losses(steps, [{"t": 8.0, "kind": "kill-all", "replica": "a",
+    ...                               "pids": [1]}], stopped=20.0, snapshot_every=5)
+    >>> loss["newest_step"], loss["resumed_from_step"], loss["steps_lost"], loss["lineage"]
+    (7, 5, 3, 3)
+    >>> loss["lost_steps"], loss["redone_steps"], loss["within_interval"], loss["back_t"]
+    ([5, 7], [5, 7], True, 10.5)
+    """
+    group = group_steps(steps)
+    losses = _losses_of(events, stopped)
+    found = []
+    for i, loss in enumerate(losses):
+        t = loss[0]["t"]
+        since = losses[i - 1][0]["t"] if i else -math.inf
+        until = losses[i + 1][0]["t"] if i + 1 < len(losses) else stopped
+        killed = {p for e in loss for p in e.get("pids") or []}
+        before = [r for r in group if r["committed"] and since < r["t_start"] and r["t_end"] <= t]
+        after = [r for r in group if t < r["t_start"] < until and r["pid"] not in killed]
+        back = [r for r in after if r["committed"]]
+        newest = max(before, key=lambda r: r["step"], default=None)
+        resumed = min(back, key=lambda r: (r["step"], r["t_end"]), default=None)
+        first_back = min(back, key=lambda r: r["t_end"], default=None)
+        back_by_group = {}
+        for r in sorted(back, key=lambda r: r["t_end"]):
+            back_by_group.setdefault(r["replica"], r["t_end"])
+        replicas = {e["replica"] for e in loss}
+        loads = [r["resume_s"] for r in after if r.get("resume_s")]
+        lost = redone = []
+        steps_lost = unpublished = None
+        if newest is not None and resumed is not None:
+            taken = [
+                r["step"] for r in before if r.get("snapshot_s") and r["step"] > resumed["step"]
+            ]
+            unpublished = max(taken, default=None)
+            steps_lost = max(0, newest["step"] + 1 - resumed["step"])
+            if steps_lost:
+                lost = [resumed["step"], newest["step"]]
+                last = min(newest["step"], max(r["step"] for r in back))
+                redone = [resumed["step"], last]
+        found.append(
+            {
+                "t": t,
+                "groups_killed": sorted(replicas),
+                "newest_step": newest and newest["step"],
+                "newest_lineage": newest and newest.get("lineage", 0),
+                "resumed_from_step": resumed and resumed["step"],
+                "lineage": resumed and resumed.get("lineage", 0),
+                "from_snapshot": bool(loads),
+                "steps_lost": steps_lost,
+                "lost_steps": lost,
+                "redone_steps": redone,
+                "unpublished_snapshot_step": unpublished,
+                "within_interval": (
+                    steps_lost <= snapshot_every
+                    if steps_lost is not None and snapshot_every
+                    else None
+                ),
+                "back_t": first_back and first_back["t_end"],
+                "groups_back_t": (
+                    max(back_by_group.values()) if replicas <= back_by_group.keys() else None
+                ),
+                "resume_s": max(loads, default=None),
+            }
+        )
+    return found
+
+
 def healthy_steps(
     steps: list[dict], replicas: int, windows: list[tuple[float, float]]
 ) -> list[dict]:
@@ -333,12 +455,14 @@ def analyze(
     started: float,
     stopped: float,
     exited: float | None = None,
+    snapshot_every: int | None = None,
 ) -> dict[str, Any]:
     """The report of a run from `steps` (the step log's records) and `events`
     (launcher events: {"t", "kind", "replica", "restart", "pids"}). `started`,
     `stopped` and `exited` are when the launcher started, when it stopped the groups
-    (the end of training) and when the last process was gone (default: at the stop).
-    Only steps begun before the stop count."""
+    (the end of training) and when the last process was gone (default: at the stop);
+    `snapshot_every`, the snapshot interval in steps, if one. Only steps begun before
+    the stop count."""
     exited = stopped if exited is None else exited
     steps = [r for r in steps if r["t_start"] < stopped]
     attempted = group_steps(steps)
@@ -350,14 +474,21 @@ def analyze(
     zero = started if zero is None else zero
 
     found = failures(steps, events, stopped=stopped)
+    lost = job_losses(steps, events, stopped=stopped, snapshot_every=snapshot_every)
     windows = [(f["t"], stopped if f["back_t"] is None else f["back_t"]) for f in found]
+    windows += [
+        (j["t"], stopped if j["groups_back_t"] is None else j["groups_back_t"]) for j in lost
+    ]
     healthy = healthy_steps(steps, replicas, windows)
     healthy_step = percentile((r["t_end"] - r["t_start"] for r in healthy), 0.5)
     reached = job_steps(committed)
     window = stopped - min((r["t_start"] for r in steps), default=stopped)
     job_progress = reached / (window / healthy_step) if healthy_step and window > 0 else None
     stalls = [f["survivor_stall_s"] for f in found if f["survivor_stall_s"] is not None]
-    recovery_seconds = [r["recovery_s"] for r in restarts(steps, events)]
+    # A restart after the loss of every group is the loss's (`job_losses`), not a recovery.
+    recovery_seconds = [r["recovery_s"] for r in restarts(steps, events) if r["after"] != JOB_LOSS]
+    lost_counts = [j["steps_lost"] for j in lost if j["steps_lost"] is not None]
+    back_after = [j["back_t"] - j["t"] for j in lost if j["back_t"] is not None]
 
     by_step: dict[int, list[dict]] = defaultdict(list)
     for r in committed:
@@ -398,6 +529,18 @@ def analyze(
         "initial_loss": _round(_mean_loss(initial)),
         "final_loss": _round(_mean_loss(final)),
         "rollbacks": rollbacks(committed),
+        "job_losses_injected": len(lost),
+        "job_losses_recovered": sum(j["back_t"] is not None for j in lost),
+        "snapshot_every_steps": snapshot_every,
+        "steps_lost_at_job_losses": sum(lost_counts),
+        "max_steps_lost_at_a_job_loss": max(lost_counts, default=None),
+        "steps_lost_within_interval": (
+            all(j["within_interval"] is not False for j in lost) if snapshot_every else None
+        ),
+        "job_loss_back_after_s_median": _round(
+            statistics.median(back_after) if back_after else None, 3
+        ),
+        "job_losses": [_job_loss_report(j, zero) for j in lost],
         "replicas_consistent": not splits,
         "consistency_checked_steps": compared,
         "split_steps": sorted({split["step"] for split in splits}),
@@ -434,6 +577,19 @@ def _failure_report(failure: dict, zero: float) -> dict[str, Any]:
         "back_after_s": None if back is None else _round(back - failure["t"], 3),
         "recovery_s": _round(failure["recovery_s"], 3),
         "survivor_stall_s": _round(failure["survivor_stall_s"], 3),
+    }
+
+
+def _job_loss_report(loss: dict, zero: float) -> dict[str, Any]:
+    t = loss["t"]
+    return {
+        "at_s": _round(t - zero, 2),
+        **{k: v for k, v in loss.items() if k not in ("t", "back_t", "groups_back_t", "resume_s")},
+        "back_after_s": None if loss["back_t"] is None else _round(loss["back_t"] - t, 3),
+        "groups_back_after_s": (
+            None if loss["groups_back_t"] is None else _round(loss["groups_back_t"] - t, 3)
+        ),
+        "resume_s": _round(loss["resume_s"], 3),
     }
 
 
@@ -488,11 +644,87 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             "rollbacks (committed steps lost)",
             f"{len(r['rollbacks'])} ({sum(b['steps_lost'] for b in r['rollbacks'])})",
         ),
+        *_job_loss_rows(r),
         (
             "replicas bit-identical",
-            f"{r['replicas_consistent']} ({r['consistency_checked_steps']} steps compared)",
+            f"{r['replicas_consistent']} ({r['consistency_checked_steps']} steps compared, "
+            "each within its lineage)",
         ),
     ]
+
+
+def _steps(span: list[int]) -> str:
+    return "none" if not span else f"{span[0]}" if span[0] == span[1] else f"{span[0]}-{span[1]}"
+
+
+def _job_loss_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The whole-job losses' rows: how many, and for each what it lost and how the
+    job came back."""
+    if not r.get("job_losses"):
+        return []
+    every = r["snapshot_every_steps"]
+    rows = [
+        (
+            "whole-job losses / job back",
+            f"{r['job_losses_injected']} / {r['job_losses_recovered']}; steps lost "
+            f"{r['steps_lost_at_job_losses']}, at most "
+            f"{_seconds(r['max_steps_lost_at_a_job_loss'], 0)}"
+            + (f" of a snapshot interval of {every}" if every else ""),
+        )
+    ]
+    for j in r["job_losses"]:
+        if j["resumed_from_step"] is None:
+            rows.append((f"  every group killed at {j['at_s']:.1f} s", "not back before the stop"))
+            continue
+        source = "a snapshot" if j["from_snapshot"] else "no snapshot"
+        over = "  OVER THE SNAPSHOT INTERVAL" if j["within_interval"] is False else ""
+        rows.append(
+            (
+                f"  every group killed at {j['at_s']:.1f} s",
+                f"newest step {j['newest_step']}; resumed from step {j['resumed_from_step']} "
+                f"({source}) as lineage {j['lineage']}: {j['steps_lost']} step(s) lost "
+                f"({_steps(j['lost_steps'])}), redone {_steps(j['redone_steps'])}; "
+                f"back in {_seconds(j['back_after_s'], 2)} s (load "
+                f"{_seconds(j['resume_s'], 3)} s){over}",
+            )
+        )
+    return rows
+
+
+def interval_verdict(report: dict[str, Any]) -> str | None:
+    """Which whole-job losses cost more steps than the snapshot interval (a snapshot
+    skipped, failed or not yet published); None when none did.
+
+    >>> print(interval_verdict({"snapshot_every_steps": 5, "job_losses": [
+    ...     {"at_s": 10.0, "within_interval": False, "steps_lost": 9, "lost_steps": [5, 13],
+    ...      "unpublished_snapshot_step": None}]}))
+    warning: 1 whole-job loss(es) cost more steps than the snapshot interval (5):
+      at 10.0 s: 9 steps (5-13); no later snapshot was taken: ranks.log says why (look ...
+    """
+    over = [j for j in report.get("job_losses") or [] if j["within_interval"] is False]
+    if not over:
+        return None
+    lines = [
+        f"warning: {len(over)} whole-job loss(es) cost more steps than the snapshot "
+        f"interval ({report['snapshot_every_steps']}):"
+    ]
+    lines += [
+        f"  at {j['at_s']:.1f} s: {j['steps_lost']} steps ({_steps(j['lost_steps'])}); "
+        + why_over(j)
+        for j in over
+    ]
+    return "\n".join(lines)
+
+
+def why_over(loss: dict[str, Any]) -> str:
+    """Why a whole-job loss cost more than the snapshot interval, as far as the step log
+    says."""
+    if loss["unpublished_snapshot_step"] is not None:
+        return (
+            f"the snapshot of step {loss['unpublished_snapshot_step']} was copied but not "
+            "published before the loss (still being written, or its write failed)"
+        )
+    return 'no later snapshot was taken: ranks.log says why (look for "snapshot of step")'
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -525,7 +757,8 @@ def split_verdict(report: dict[str, Any]) -> str | None:
         for c in split["commits"]:
             by_fingerprint[c["fingerprint"]].append(f"{c['replica']} (quorum {c['quorum_id']})")
         who = "; ".join(f"{fp} from {', '.join(groups)}" for fp, groups in by_fingerprint.items())
-        lines.append(f"  step {split['step']}, rank {split['rank']}: {who}")
+        lineage = f" of lineage {split['lineage']}" if split.get("lineage") else ""
+        lines.append(f"  step {split['step']}{lineage}, rank {split['rank']}: {who}")
     if len({split["step"] for split in report["splits"]}) < len(split_steps):
         lines.append("  (every split step is in report.json's split_steps)")
     return "\n".join(lines)
@@ -551,7 +784,10 @@ def chart(steps: list[dict], report: dict[str, Any]) -> dict[str, Any]:
         "job_steps": report["job_steps"],
         "loss": dict(sorted(loss.items())),
         "job_line": [(t - zero, n) for t, n in job_line(group_steps(steps), stopped=zero + stop)],
-        "failures": [(f["at_s"], failure_label(f)) for f in report["failures"]],
+        "failures": sorted(
+            [(f["at_s"], failure_label(f)) for f in report["failures"]]
+            + [(j["at_s"], job_loss_label(j)) for j in report.get("job_losses") or []]
+        ),
     }
 
 
@@ -574,6 +810,24 @@ def failure_label(failure: dict[str, Any]) -> str:
         lines.append(f"back in {failure['back_after_s']:.2f} s")
     if failure["recovery_s"] is not None:
         lines.append(f"restart → commit {failure['recovery_s']:.2f} s")
+    return "\n".join(lines)
+
+
+def job_loss_label(loss: dict[str, Any]) -> str:
+    """A whole-job loss as report.png labels it.
+
+    >>> print(job_loss_label({"at_s": 60.2, "back_after_s": 3.4, "steps_lost": 12,
+    ...     "resumed_from_step": 100}))
+    all killed at 60.2 s
+    back in 3.40 s
+    12 steps lost, from 100
+    """
+    lines = [f"all killed at {loss['at_s']:.1f} s"]
+    if loss["back_after_s"] is None:
+        lines.append("not back")
+    else:
+        lines.append(f"back in {loss['back_after_s']:.2f} s")
+        lines.append(f"{loss['steps_lost']} steps lost, from {loss['resumed_from_step']}")
     return "\n".join(lines)
 
 

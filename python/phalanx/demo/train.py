@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import threading
@@ -139,6 +140,8 @@ class StepLog:
             "allreduce_s": round(step.allreduce_s, 6),
             "commit_s": round(step.commit_s, 6),
             "heal_s": round(step.heal_s, 6),
+            "snapshot_s": round(step.snapshot_s, 6),
+            "resume_s": round(step.resume_s, 6),
             "loss": loss,
             "fingerprint": agreed,
             "failure": step.failure,
@@ -228,9 +231,21 @@ def train_diloco(
 STRATEGIES = {"ddp": train_replicated, "hsdp": train_replicated, "diloco": train_diloco}
 
 
+def log_recoveries() -> None:
+    """phalanx's own account of heals, snapshots and resumes (INFO) goes to the
+    output, which `phalanx demo` keeps in ranks.log."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("phalanx.manager", "phalanx.snapshots"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+
+
 def main() -> None:
     began = time.time()
     args = parse_args()
+    log_recoveries()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     stop = stop_on_sigterm()
