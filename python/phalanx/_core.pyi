@@ -217,6 +217,14 @@ LIGHTHOUSE_DEFAULTS: dict[str, float]
 (1.0, 2.0)
 """
 
+MANAGER_DEFAULTS: dict[str, float | bool]
+"""The manager server's defaults (`ManagerServer`'s options left None), which
+`phalanx.Manager` applies too (durations in seconds).
+
+>>> MANAGER_DEFAULTS["heartbeat_interval"], MANAGER_DEFAULTS["init_sync"]
+(0.1, True)
+"""
+
 def parse_duration(text: str) -> float:
     """Seconds from "15s", "500ms", "2m" or a plain number, as the lighthouse's command
     line reads them.
@@ -321,8 +329,8 @@ class ManagerServer:
         bind: str = "127.0.0.1:0",
         store_address: str = "",
         advertise_host: str | None = None,
-        heartbeat_interval: float = 0.1,
-        connect_timeout: float = 5.0,
+        heartbeat_interval: float | None = None,
+        connect_timeout: float | None = None,
         init_sync: bool = True,
         token: str | None = None,
         also_bind: str | None = None,

@@ -41,7 +41,9 @@ class Manager:
 
     Settings come from the arguments, else from the environment (`PHALANX_*`, `RANK`,
     `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; see `ManagerSettings.from_env`, or
-    pass `settings=` made by it). Rank 0 serves the group's manager server and
+    pass `settings=` made by it), else from their defaults: `timeout`, the budget every
+    deadline of a step follows from (`Timeouts`), 30 s; `heartbeat_interval` and
+    `init_sync` as the manager server's (`_core.MANAGER_DEFAULTS`). Rank 0 serves the group's manager server and
     rendezvous store at MASTER_ADDR:MASTER_PORT (under torchrun, whose own store is
     there: on a free port, met through torchrun's store), behind the job token. `device`
     (default: the rank's GPU, `cuda:LOCAL_RANK`, where CUDA is available, else cpu) is
@@ -66,7 +68,7 @@ class Manager:
         *,
         replica_id: str | None = None,
         lighthouse: str | None = None,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         group_rank: int | None = None,
         group_world_size: int | None = None,
         store_addr: str | None = None,
@@ -74,8 +76,8 @@ class Manager:
         token: str | None = None,
         advertise_host: str | None = None,
         device: torch.device | str | None = None,
-        init_sync: bool = True,
-        heartbeat_interval: float = 0.1,
+        init_sync: bool | None = None,
+        heartbeat_interval: float | None = None,
         quorum_timeout: float | None = None,
         collective_timeout: float | None = None,
         commit_timeout: float | None = None,
@@ -88,6 +90,8 @@ class Manager:
         settings: ManagerSettings | None = None,
     ):
         if settings is None:
+            # Arguments left None take the settings' defaults (the core's, for those
+            # the manager server applies too; see ManagerSettings.from_env).
             given = {k: v for k, v in locals().items() if k not in ("self", "settings")}
             settings = ManagerSettings.from_env(**given)
         self.settings = settings

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from phalanx import _core
 from phalanx.process_group import backend_for
 from phalanx.snapshots.rank import SnapshotSettings
 from phalanx.token import resolve_token
@@ -42,6 +43,10 @@ def host_port(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+#: The budget every deadline of a step follows from, unless given (`Timeouts`).
+DEFAULT_BUDGET_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,8 @@ class ManagerSettings:
     advertise_host: str | None = None
     #: Where the tensors of the cross-group collectives live.
     device: torch.device = torch.device("cpu")
-    init_sync: bool = True
-    heartbeat_interval: float = 0.1
+    init_sync: bool = bool(_core.MANAGER_DEFAULTS["init_sync"])
+    heartbeat_interval: float = _core.MANAGER_DEFAULTS["heartbeat_interval"]
     #: Under torchrun, MASTER_ADDR:MASTER_PORT is torchrun's own store: rank 0 then
     #: serves on a free port and leaves its address there under this key.
     launcher_store_key: str | None = None
@@ -189,7 +194,7 @@ class ManagerSettings:
         cls,
         environ: Mapping[str, str] | None = None,
         *,
-        timeout: float = 30.0,
+        timeout: float | None = None,
         quorum_timeout: float | None = None,
         collective_timeout: float | None = None,
         commit_timeout: float | None = None,
@@ -208,7 +213,7 @@ class ManagerSettings:
         if stall_timeout is None:
             stall_timeout = env.seconds("PHALANX_STALL_TIMEOUT", example="10")
         timeouts = Timeouts.from_budget(
-            timeout,
+            DEFAULT_BUDGET_S if timeout is None else timeout,
             quorum=quorum_timeout,
             collective=collective_timeout,
             commit=commit_timeout,

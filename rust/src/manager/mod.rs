@@ -70,6 +70,13 @@ pub struct ManagerOptions {
 }
 
 impl ManagerOptions {
+    /// How often a group beats to the lighthouse unless told otherwise.
+    pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+    /// How long the first connection to the lighthouse may take unless told otherwise.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Whether every group but the first heals from it at step 0 unless told otherwise.
+    pub const DEFAULT_INIT_SYNC: bool = true;
+
     pub fn validate(&self) -> Result<(), Error> {
         let check = |r: Result<(), Status>| r.map_err(|s| Error::InvalidConfig(s.message().into()));
         check(validate::replica_id(&self.replica_id))?;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use tokio::sync::{mpsc, oneshot};
 
 use super::eviction;
@@ -31,7 +32,7 @@ pub struct ManagerServer {
 #[pymethods]
 impl ManagerServer {
     #[new]
-    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = 0.1, connect_timeout = 5.0, init_sync = true, token = None, also_bind = None))]
+    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = None, connect_timeout = None, init_sync = ManagerOptions::DEFAULT_INIT_SYNC, token = None, also_bind = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -41,12 +42,20 @@ impl ManagerServer {
         bind: &str,
         store_address: String,
         advertise_host: Option<String>,
-        heartbeat_interval: f64,
-        connect_timeout: f64,
+        heartbeat_interval: Option<f64>,
+        connect_timeout: Option<f64>,
         init_sync: bool,
         token: Option<String>,
         also_bind: Option<String>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let heartbeat_interval = heartbeat_interval
+            .map_or(Ok(ManagerOptions::DEFAULT_HEARTBEAT_INTERVAL), |s| {
+                seconds("heartbeat_interval", s)
+            })?;
+        let connect_timeout = connect_timeout
+            .map_or(Ok(ManagerOptions::DEFAULT_CONNECT_TIMEOUT), |s| {
+                seconds("connect_timeout", s)
+            })?;
         let options = ManagerOptions {
             replica_id,
             lighthouse_address,
@@ -55,8 +64,8 @@ impl ManagerServer {
             advertise_host,
             store_address,
             world_size: unsigned("world_size", world_size)?,
-            heartbeat_interval: seconds("heartbeat_interval", heartbeat_interval)?,
-            connect_timeout: seconds("connect_timeout", connect_timeout)?,
+            heartbeat_interval,
+            connect_timeout,
             init_sync,
             token: JobToken::new(token),
             connections: GateLimits::RPC,
@@ -415,7 +424,19 @@ impl ManagerClient {
     }
 }
 
+/// The manager server's defaults by option name, durations in seconds.
+fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let out = PyDict::new(py);
+    let interval = ManagerOptions::DEFAULT_HEARTBEAT_INTERVAL;
+    out.set_item("heartbeat_interval", interval.as_secs_f64())?;
+    let connect = ManagerOptions::DEFAULT_CONNECT_TIMEOUT;
+    out.set_item("connect_timeout", connect.as_secs_f64())?;
+    out.set_item("init_sync", ManagerOptions::DEFAULT_INIT_SYNC)?;
+    Ok(out)
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("MANAGER_DEFAULTS", defaults(m.py())?)?;
     m.add_class::<ManagerServer>()?;
     m.add_class::<ManagerClient>()?;
     m.add_class::<PendingQuorum>()?;
