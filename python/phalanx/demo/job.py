@@ -437,8 +437,8 @@ def main(argv: list[str]) -> int:
 
 def snapshot_settings(args: argparse.Namespace) -> SnapshotSettings | None:
     """The snapshots of `--snapshot-every/--snapshot-dir/--snapshot-keep` (None: off);
-    ValueError for a bad value. The folder is made here, so that a bad one is refused
-    before anything starts."""
+    ValueError for a bad value. The folder is made here (after the values are checked),
+    so that a bad one is refused before anything starts."""
     if not args.snapshot_every:
         return None
     location = args.snapshot_dir if args.snapshot_dir is not None else args.out / "snapshots"
@@ -486,13 +486,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, str]:
     except ValueError as e:
         parser.error(str(e))
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        parser.error(f"cannot create the report folder {args.out}: {e}; pick another --out")
-    try:
         args.snapshots = snapshot_settings(args)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create the report folder {args.out}: {e}; pick another --out")
     return args, token
 
 
