@@ -217,6 +217,14 @@ LIGHTHOUSE_DEFAULTS: dict[str, float]
 (1.0, 2.0)
 """
 
+LIGHTHOUSE_TUNING_FLAGS: list[tuple[str, str, str]]
+"""The lighthouse's quorum and liveness flags as `phalanx lighthouse` declares them:
+(flag, `LIGHTHOUSE_DEFAULTS` key, help); `phalanx run` takes them too.
+
+>>> LIGHTHOUSE_TUNING_FLAGS[0][:2]
+('--min-replicas', 'min_replicas')
+"""
+
 MANAGER_DEFAULTS: dict[str, float | bool]
 """The manager server's defaults (`ManagerServer`'s options left None), which
 `phalanx.Manager` applies too (durations in seconds).

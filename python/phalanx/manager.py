@@ -43,11 +43,12 @@ class Manager:
     `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`; see `ManagerSettings.from_env`, or
     pass `settings=` made by it), else from their defaults: `timeout`, the budget every
     deadline of a step follows from (`Timeouts`), 30 s; `heartbeat_interval` and
-    `init_sync` as the manager server's (`_core.MANAGER_DEFAULTS`). Rank 0 serves the group's manager server and
-    rendezvous store at MASTER_ADDR:MASTER_PORT (under torchrun, whose own store is
-    there: on a free port, met through torchrun's store), behind the job token. `device`
-    (default: the rank's GPU, `cuda:LOCAL_RANK`, where CUDA is available, else cpu) is
-    where the collectives' tensors live: NCCL for CUDA, gloo for CPU.
+    `init_sync` as the manager server's (`_core.MANAGER_DEFAULTS`). Rank 0 serves the
+    group's manager server and rendezvous store at MASTER_ADDR:MASTER_PORT (under
+    torchrun, whose own store is there: on a free port, met through torchrun's store),
+    behind the job token. `device` (default: the rank's GPU, `cuda:LOCAL_RANK`, where
+    CUDA is available, else cpu) is where the collectives' tensors live: NCCL for CUDA,
+    gloo for CPU.
 
     `snapshot_dir` (a directory or an fsspec URL) and `snapshot_every` (committed steps,
     e.g. 500, or a duration, e.g. "10m") turn on durable snapshots, the newest

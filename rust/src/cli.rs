@@ -322,6 +322,26 @@ pub fn set_options(
 
 /// A variable of this process's environment; one that is not Unicode is kept, with
 /// its odd bytes replaced, for the token check to refuse it by name.
+/// The lighthouse's tuning flags (quorum and liveness), which `phalanx run` takes too
+/// for the lighthouse it serves, declared once here: (flag, option name, help).
+pub fn tuning_flags() -> Vec<(String, String, String)> {
+    let command = LighthouseFlags::command();
+    [
+        "min_replicas",
+        "join_timeout",
+        "heartbeat_timeout",
+        "rollback_after",
+    ]
+    .into_iter()
+    .filter_map(|id| command.get_arguments().find(|a| a.get_id() == id))
+    .map(|arg| {
+        let long = arg.get_long().unwrap_or_default();
+        let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        (format!("--{long}"), arg.get_id().to_string(), help)
+    })
+    .collect()
+}
+
 pub fn process_environment(name: &str) -> Option<String> {
     std::env::var_os(name).map(|value| value.to_string_lossy().into_owned())
 }
@@ -610,6 +630,22 @@ mod tests {
     fn a_torchft_duration_is_whole_milliseconds() {
         let error = parsed(&["--join_timeout_ms", "1s"]).unwrap_err();
         assert!(error.to_string().contains("--join_timeout_ms"), "{error}");
+    }
+
+    #[test]
+    fn every_tuning_flag_is_declared_with_its_help() {
+        let flags = tuning_flags();
+        let names: Vec<&str> = flags.iter().map(|(flag, _, _)| flag.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "--min-replicas",
+                "--join-timeout",
+                "--heartbeat-timeout",
+                "--rollback-after"
+            ]
+        );
+        assert!(flags.iter().all(|(_, _, help)| !help.is_empty()));
     }
 
     #[test]

@@ -196,7 +196,8 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
         "--snapshot-every",
         metavar="N|DURATION",
         help="snapshot every N committed steps (e.g. 500) or every DURATION (e.g. 10m); one "
-        "group writes each, in turn, beside training",
+        "group writes each, in turn, beside training (default: none; required with "
+        "--snapshot-dir)",
     )
     parser.add_argument(
         "--snapshot-keep",
@@ -256,43 +257,19 @@ def _add_group_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-#: The lighthouse flags of `phalanx run`, for the lighthouse it serves when no
-#: --lighthouse is given: (flag, LIGHTHOUSE_DEFAULTS key, type, what it sets).
-LIGHTHOUSE_FLAGS = (
-    ("--min-replicas", "min_replicas", int, "fewest groups a step may run with"),
-    (
-        "--join-timeout",
-        "join_timeout",
-        parse_duration,
-        "how long a quorum waits for a late live group",
-    ),
-    (
-        "--heartbeat-timeout",
-        "heartbeat_timeout",
-        parse_duration,
-        "silence after which a group is declared dead",
-    ),
-    (
-        "--rollback-after",
-        "rollback_after",
-        parse_duration,
-        "how long the job waits for a group holding its newest state to come back before "
-        "it goes on from an older one, as a new lineage",
-    ),
-)
-
-
 def _add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
-    """The lighthouse served here when no --lighthouse is given."""
-    for flag, key, kind, what in LIGHTHOUSE_FLAGS:
+    """The lighthouse served here when no --lighthouse is given: the flags of
+    `phalanx lighthouse` that tune it, as the core declares them."""
+    for flag, key, what in _core.LIGHTHOUSE_TUNING_FLAGS:
         default = _core.LIGHTHOUSE_DEFAULTS[key]
-        shown = f"{default}" if kind is int else f"{default:g}s"
+        is_count = isinstance(default, int)
+        shown = f"{default}" if is_count else f"{default:g}s"
         parser.add_argument(
             flag,
-            type=kind,
+            type=int if is_count else parse_duration,
             default=default,
-            metavar="N" if kind is int else "DURATION",
-            help=f"{what} (lighthouse served here; default: {shown})",
+            metavar="N" if is_count else "DURATION",
+            help=f"{what.rstrip('.')} (the lighthouse served here; default: {shown})",
         )
 
 

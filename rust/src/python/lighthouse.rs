@@ -202,6 +202,7 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LIGHTHOUSE_DEFAULTS", defaults(m.py())?)?;
+    m.add("LIGHTHOUSE_TUNING_FLAGS", crate::cli::tuning_flags())?;
     m.add_function(wrap_pyfunction!(parse_duration, m)?)?;
     m.add_class::<LighthouseServer>()?;
     m.add_class::<LighthouseClient>()?;
