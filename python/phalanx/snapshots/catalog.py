@@ -56,7 +56,7 @@ def stem(step: int, lineage: int, state_quorum_id: int) -> str:
 def identity_of(name: str) -> tuple[int, int, int] | None:
     """(lineage, step, commit quorum) from a snapshot's file name, ordered as the
     lighthouse orders states; None for a name that is not a snapshot's."""
-    match = _NAME.match(name)
+    match = _NAME.match(name.lstrip("."))  # a temporary manifest's name starts with "."
     if match is None:
         return None
     step, lineage, quorum = (int(g) for g in match.groups())
@@ -150,9 +150,12 @@ def to_remove(names: Iterable[str], keep: int, referenced: Iterable[str]) -> lis
 
     >>> names = ["step-0000000003.l0.q2.json", "step-0000000003.l0.q2.x.data",
     ...          "step-0000000002.l0.q2.json", "step-0000000002.l0.q2.y.data",
-    ...          "step-0000000002.l0.q2.z.data", "step-0000000004.l0.q2.w.data"]
-    >>> to_remove(names, 1, ["step-0000000003.l0.q2.x.data"])
-    ['step-0000000002.l0.q2.json', 'step-0000000002.l0.q2.y.data', 'step-0000000002.l0.q2.z.data']
+    ...          ".step-0000000002.l0.q2.json.1f.tmp", "step-0000000004.l0.q2.w.data"]
+    >>> for name in to_remove(names, 1, ["step-0000000003.l0.q2.x.data"]):
+    ...     print(name)
+    step-0000000002.l0.q2.json
+    .step-0000000002.l0.q2.json.1f.tmp
+    step-0000000002.l0.q2.y.data
     """
     names = list(names)
     manifests = newest_first(names)
