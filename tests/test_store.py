@@ -44,6 +44,11 @@ def test_set_get_add_and_delete_behave_as_torchs_stores(store):
     assert store.check(["a", "n"]) and not store.check(["a", "absent"])
     keys = store.num_keys()
     assert store.delete_key("a") and not store.delete_key("a")
+    # torch's wrappers call a Python store's methods by their C++ names.
+    prefixed = dist.PrefixStore("p", store)
+    prefixed.set("b", b"1")
+    assert prefixed.num_keys() >= 1
+    assert prefixed.delete_key("b") and not prefixed.check(["b"])
     assert store.num_keys() == keys - 1
 
 

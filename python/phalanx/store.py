@@ -145,6 +145,11 @@ class Store(dist.Store):
         with _as_store_errors():
             return self._client.num_keys()
 
+    # torch's wrappers of a store written in Python (PrefixStore among them) call these
+    # two by their C++ names.
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815
+
     def clone(self) -> Store:
         """Another handle on the same store (torch asks for one per thread that
         talks to it); it shares this one's connection."""

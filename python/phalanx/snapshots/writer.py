@@ -224,10 +224,7 @@ class SnapshotWriter:
         for key in keys:
             try:
                 store.delete_key(key)
-            except (RuntimeError, dist.DistError) as e:
-                # torch's PrefixStore asks a store written in Python for `deleteKey`,
-                # which phalanx's Store does not define: a key left behind must not
-                # cost the snapshot its publication.
+            except (RuntimeError, dist.DistError) as e:  # a key left behind harms nothing
                 log.debug("cannot remove key %s of the group's store: %s", key, e)
         return shards
 
