@@ -100,9 +100,10 @@ class SnapshotWriter:
             folder = f"{data}/rank-{self.group_rank}"
             quiet_dcp()
             future = dcp.async_save(flat, storage_writer=self.storage.writer(folder), no_dist=True)
-        except Exception as e:  # a snapshot never fails a step
-            self._failed(step, f"its copy to host memory failed: {e}")
-            self._report(name, {"failed": str(e)})
+        except (Exception, CheckpointException) as e:  # a snapshot never fails a step
+            why = self._reason(e, 0)
+            self._failed(step, f"its copy to host memory failed: {why}")
+            self._report(name, {"failed": why})
             return time.monotonic() - started
         copied = time.monotonic() - started
 
