@@ -92,6 +92,9 @@ LOSS_WINDOW = 10
 #: the step where it began to the end, so the first few say where and how it began.
 SPLITS_SHOWN = 5
 
+#: How far a time of the report (`at_s`, `back_after_s`: 2 and 3 digits) may be off.
+ROUNDING_S = 0.006
+
 #: The width of a failure's label in report.png, as a share of the time axis.
 LABEL_WIDTH = 0.14
 
@@ -438,13 +441,15 @@ def job_line(steps: list[dict], *, stopped: float) -> list[tuple[float, int]]:
     ... ], stopped=3.0)
     [(1.0, 2), (2.0, 2)]
     """
-    first: dict[int, float] = {}
-    groups: dict[int, int] = {}
+    # A step number redone after a rollback is another step of the job's: by lineage.
+    first: dict[tuple[int, int], float] = {}
+    groups: dict[tuple[int, int], int] = {}
     for r in steps:
         if r["committed"] and r["t_end"] <= stopped:
-            first[r["step"]] = min(first.get(r["step"], math.inf), r["t_end"])
-            groups[r["step"]] = max(groups.get(r["step"], 0), r["participants"])
-    return [(first[s], groups[s]) for s in sorted(first)]
+            key = (r.get("lineage", 0), r["step"])
+            first[key] = min(first.get(key, math.inf), r["t_end"])
+            groups[key] = max(groups.get(key, 0), r["participants"])
+    return sorted((first[key], groups[key]) for key in first)
 
 
 def analyze(
@@ -783,12 +788,39 @@ def chart(steps: list[dict], report: dict[str, Any]) -> dict[str, Any]:
         "shutdown_s": report["shutdown_s"],
         "job_steps": report["job_steps"],
         "loss": dict(sorted(loss.items())),
-        "job_line": [(t - zero, n) for t, n in job_line(group_steps(steps), stopped=zero + stop)],
+        "job_line": _with_outages(
+            [(t - zero, n) for t, n in job_line(group_steps(steps), stopped=zero + stop)],
+            report.get("job_losses") or [],
+        ),
         "failures": sorted(
             [(f["at_s"], failure_label(f)) for f in report["failures"]]
             + [(j["at_s"], job_loss_label(j)) for j in report.get("job_losses") or []]
         ),
     }
+
+
+def _with_outages(
+    line: list[tuple[float, int]], losses: list[dict[str, Any]]
+) -> list[tuple[float, int]]:
+    """The job line with no group in a step from each whole-job loss until the job
+    committed again (drawn as steps: each point's groups hold since the point before).
+
+    >>> _with_outages([(1.0, 2), (2.0, 2), (4.503, 1)], [{"at_s": 2.5, "back_after_s": 2.0}])
+    [(1.0, 2), (2.0, 2), (2.5, 2), (4.503, 0), (4.503, 1)]
+    """
+    marks = []
+    for loss in losses:
+        if loss["back_after_s"] is not None:
+            at = loss["at_s"]
+            before = [n for t, n in line if t <= at]
+            # The job's first commit after the loss, found past the report's rounding.
+            back = min(
+                (t for t, _ in line if t >= at + loss["back_after_s"] - ROUNDING_S), default=None
+            )
+            if back is not None:
+                marks += [(at, 0, before[-1] if before else 0), (back, 0, 0)]
+    points = sorted([(t, 1, n) for t, n in line] + marks)
+    return [(t, n) for t, _, n in points]
 
 
 def failure_label(failure: dict[str, Any]) -> str:
