@@ -47,7 +47,8 @@ class LaunchObserver:
         sys.stdout.flush()
 
     def group_event(self, kind: str, group: Group) -> None:
-        """Called on "start", "kill", "hang", "resume" and "exit" of a group, and on
+        """Called on "start", "kill", "kill-all" (every group at once, one call each),
+        "hang", "resume" and "exit" of a group, and on
         "stop" of each group still running when the job ends (just before its ranks
         are told to stop)."""
 

@@ -1,5 +1,6 @@
 """Durable snapshots: the job's committed state on storage, so that losing every group
-at once costs at most one snapshot interval.
+at once costs at most one snapshot interval (plus the steps a write in flight at the
+loss overlapped).
 
 Every `every` committed steps (or every interval of time) one group of the commit
 quorum, in turn, writes the state it committed through torch.distributed.checkpoint,
