@@ -101,11 +101,6 @@ fn beat(replica_id: &str) -> proto::Beat {
     proto::Beat {
         protocol_version: PROTOCOL_VERSION,
         replica_id: replica_id.to_string(),
-        last_quorum_id: 0,
-        step: 0,
-        seq: 0,
-        manager_address: String::new(),
-        refused: Vec::new(),
         ..Default::default()
     }
 }

@@ -17,60 +17,47 @@ pub const PROTOCOL_VERSION: u32 = 3;
 /// `LighthouseClient` to move to the one that does.
 pub const LEADER_KEY: &str = "phalanx-leader";
 
-impl From<Member> for crate::quorum::Member {
-    fn from(m: Member) -> Self {
-        crate::quorum::Member {
-            replica_id: m.replica_id,
-            manager_address: m.manager_address,
-            store_address: m.store_address,
-            step: m.step,
-            world_size: m.world_size,
-            shrink_only: m.shrink_only,
-            commit_failures: m.commit_failures,
-            state_addresses: m.state_addresses,
-            state_quorum_id: m.state_quorum_id,
-            torn: m.torn,
-            lineage: m.lineage,
-            unreachable: m.unreachable,
+/// `From` both ways between a wire type and the engine's type of the same fields:
+/// one list of fields, so that both directions convert the same ones.
+macro_rules! convert_both_ways {
+    ($wire:ident, $engine:path { $($field:ident),* $(,)? }) => {
+        impl From<$wire> for $engine {
+            fn from(value: $wire) -> Self {
+                Self { $($field: value.$field),* }
+            }
         }
-    }
+
+        impl From<$engine> for $wire {
+            fn from(value: $engine) -> Self {
+                Self { $($field: value.$field),* }
+            }
+        }
+    };
 }
 
-impl From<crate::quorum::Member> for Member {
-    fn from(m: crate::quorum::Member) -> Self {
-        Member {
-            replica_id: m.replica_id,
-            manager_address: m.manager_address,
-            store_address: m.store_address,
-            step: m.step,
-            world_size: m.world_size,
-            shrink_only: m.shrink_only,
-            commit_failures: m.commit_failures,
-            state_addresses: m.state_addresses,
-            state_quorum_id: m.state_quorum_id,
-            torn: m.torn,
-            lineage: m.lineage,
-            unreachable: m.unreachable,
-        }
+convert_both_ways!(
+    Member,
+    crate::quorum::Member {
+        replica_id,
+        manager_address,
+        store_address,
+        step,
+        world_size,
+        shrink_only,
+        commit_failures,
+        state_addresses,
+        state_quorum_id,
+        torn,
+        lineage,
+        unreachable,
     }
-}
+);
 
-impl From<crate::quorum::Identity> for StateIdentity {
-    fn from(i: crate::quorum::Identity) -> Self {
-        StateIdentity {
-            lineage: i.lineage,
-            step: i.step,
-            state_quorum_id: i.state_quorum_id,
-        }
+convert_both_ways!(
+    StateIdentity,
+    crate::quorum::Identity {
+        lineage,
+        step,
+        state_quorum_id,
     }
-}
-
-impl From<StateIdentity> for crate::quorum::Identity {
-    fn from(i: StateIdentity) -> Self {
-        crate::quorum::Identity {
-            lineage: i.lineage,
-            step: i.step,
-            state_quorum_id: i.state_quorum_id,
-        }
-    }
-}
+);
