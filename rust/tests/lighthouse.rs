@@ -77,11 +77,6 @@ fn beat(id: &str) -> proto::Beat {
     proto::Beat {
         protocol_version: PROTOCOL_VERSION,
         replica_id: id.into(),
-        last_quorum_id: 0,
-        step: 0,
-        seq: 0,
-        manager_address: String::new(),
-        refused: Vec::new(),
         ..Default::default()
     }
 }
@@ -113,6 +108,21 @@ async fn answers(tasks: Vec<JoinHandle<Result<proto::Quorum, Error>>>) -> Vec<pr
         quorums.push(quorum);
     }
     quorums
+}
+
+/// Every group of `names` asks at `step` at once, over one client; their quorums, in
+/// the order of `names`.
+async fn every_asks(
+    client: &LighthouseClient,
+    names: &[impl AsRef<str>],
+    step: i64,
+    last_quorum_id: u64,
+) -> Vec<proto::Quorum> {
+    let asking = names
+        .iter()
+        .map(|n| ask(client, member(n.as_ref(), step), last_quorum_id))
+        .collect();
+    answers(asking).await
 }
 
 fn ids(quorum: &proto::Quorum) -> Vec<&str> {
@@ -305,13 +315,7 @@ async fn three_groups_get_the_same_sorted_quorum_and_keep_its_id_next_round() {
     // Asked in an order that is not the replica-id order, to see the sorting.
     let names = ["group-c", "group-a", "group-b"];
 
-    let first = answers(
-        names
-            .iter()
-            .map(|n| ask(&client, member(n, 0), 0))
-            .collect(),
-    )
-    .await;
+    let first = every_asks(&client, &names, 0, 0).await;
     let id = first[0].quorum_id;
     assert!(id > 0, "quorum ids start above 0");
     for q in &first {
@@ -326,13 +330,7 @@ async fn three_groups_get_the_same_sorted_quorum_and_keep_its_id_next_round() {
     assert_eq!(first[1].participants, first[2].participants);
 
     // Same members, no commit failures: the quorum is unchanged, so is its id.
-    let second = answers(
-        names
-            .iter()
-            .map(|n| ask(&client, member(n, 1), id))
-            .collect(),
-    )
-    .await;
+    let second = every_asks(&client, &names, 1, id).await;
     for q in &second {
         assert_eq!(q.quorum_id, id, "an unchanged membership keeps its id");
         assert_eq!(ids(q), ["group-a", "group-b", "group-c"]);
@@ -355,13 +353,7 @@ async fn a_round_names_its_late_members_while_it_waits_and_ends_when_the_last_on
     .expect("lighthouse starts");
     let client = client(lighthouse.local_addr());
     let names: Vec<String> = (0..12).map(|i| format!("group-{i:02}")).collect();
-    let first = answers(
-        names
-            .iter()
-            .map(|n| ask(&client, member(n, 0), 0))
-            .collect(),
-    )
-    .await;
+    let first = every_asks(&client, &names, 0, 0).await;
     let id = first[0].quorum_id;
 
     let (late, early): (Vec<&String>, Vec<&String>) = names

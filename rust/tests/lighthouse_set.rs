@@ -6,7 +6,6 @@ use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::gate::GateLimits;
 use phalanx::lighthouse::client::LighthouseClient;
 use phalanx::lighthouse::leadership::Timing;
 use phalanx::lighthouse::set::SetOptions;
@@ -35,13 +34,9 @@ async fn start_set(dir: &std::path::Path) -> (Vec<Option<ServerHandle>>, Vec<Str
     for (i, address) in peers.iter().enumerate() {
         let options = LighthouseOptions {
             bind: address.clone(),
-            min_replicas: 1,
             join_timeout: Duration::from_millis(200),
             heartbeat_timeout: Duration::from_millis(500),
-            rollback_after: Duration::from_secs(30),
-            token: JobToken::default(),
-            connections: GateLimits::RPC,
-            insecure: false,
+            ..LighthouseOptions::default()
         };
         let set = SetOptions {
             id: i as u64 + 1,

@@ -23,19 +23,21 @@ const PATIENCE: Duration = Duration::from_secs(5);
 /// The timeout ranks give their calls when they expect an answer.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
-async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
-    lighthouse::serve(LighthouseOptions {
-        bind: "127.0.0.1:0".into(),
+/// A lighthouse on `bind` with short timeouts, so that quorums form quickly.
+fn lighthouse_options(bind: String, min_replicas: usize) -> LighthouseOptions {
+    LighthouseOptions {
+        bind,
         min_replicas,
         join_timeout: Duration::from_millis(200),
         heartbeat_timeout: Duration::from_millis(500),
-        rollback_after: Duration::from_secs(30),
-        token: JobToken::default(),
-        connections: GateLimits::RPC,
-        insecure: false,
-    })
-    .await
-    .expect("lighthouse starts")
+        ..LighthouseOptions::default()
+    }
+}
+
+async fn start_lighthouse(min_replicas: usize) -> ServerHandle {
+    lighthouse::serve(lighthouse_options("127.0.0.1:0".into(), min_replicas))
+        .await
+        .expect("lighthouse starts")
 }
 
 async fn start_manager(
@@ -365,18 +367,9 @@ async fn with_the_lighthouse_down_a_step_waits_for_it_and_uses_it_once_it_is_bac
     })
     .await;
     let back = Instant::now();
-    let _lighthouse = lighthouse::serve(LighthouseOptions {
-        bind: nowhere.clone(),
-        min_replicas: 1,
-        join_timeout: Duration::from_millis(200),
-        heartbeat_timeout: Duration::from_millis(500),
-        rollback_after: Duration::from_secs(30),
-        token: JobToken::default(),
-        connections: GateLimits::RPC,
-        insecure: false,
-    })
-    .await
-    .expect("lighthouse starts on the old address");
+    let _lighthouse = lighthouse::serve(lighthouse_options(nowhere.clone(), 1))
+        .await
+        .expect("lighthouse starts on the old address");
     let plan = answer("quorum", waiting)
         .await
         .expect("a quorum once it is back");
@@ -466,18 +459,9 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
         .quorum_id;
 
     first.shutdown().await;
-    let second = lighthouse::serve(LighthouseOptions {
-        bind: addr.to_string(),
-        min_replicas: 1,
-        join_timeout: Duration::from_millis(200),
-        heartbeat_timeout: Duration::from_millis(500),
-        rollback_after: Duration::from_secs(30),
-        token: JobToken::default(),
-        connections: GateLimits::RPC,
-        insecure: false,
-    })
-    .await
-    .expect("a new lighthouse binds the same port");
+    let second = lighthouse::serve(lighthouse_options(addr.to_string(), 1))
+        .await
+        .expect("a new lighthouse binds the same port");
 
     // Without any quorum request, the group's heartbeat finds the new lighthouse.
     let watcher = phalanx::lighthouse::client::LighthouseClient::new(

@@ -521,15 +521,7 @@ impl Heartbeat {
 mod tests {
     use super::*;
     use crate::auth::JobToken;
-    use crate::lighthouse::{self, LighthouseOptions};
-
-    const PATIENCE: Duration = Duration::from_secs(5);
-
-    async fn bounded<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-        tokio::time::timeout(PATIENCE, fut)
-            .await
-            .unwrap_or_else(|_| panic!("{what}: nothing within {PATIENCE:?}"))
-    }
+    use crate::manager::tests::{bounded, start_lighthouse, PATIENCE};
 
     fn member(replica_id: &str) -> proto::Member {
         proto::Member {
@@ -675,13 +667,7 @@ mod tests {
     /// one before held, so no step of that quorum can commit any more.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_opened_again_holds_no_lease_of_the_quorum_its_last_one_held() {
-        let server = lighthouse::serve(LighthouseOptions {
-            bind: "127.0.0.1:0".into(),
-            join_timeout: Duration::from_millis(100),
-            ..LighthouseOptions::default()
-        })
-        .await
-        .expect("lighthouse starts");
+        let server = start_lighthouse().await;
         let address = server.local_addr().to_string();
         let client = LighthouseClient::new(&address, &JobToken::default(), PATIENCE).unwrap();
 

@@ -648,12 +648,24 @@ mod tests {
     use crate::proto::PROTOCOL_VERSION;
     use tokio::net::TcpStream;
 
-    const PATIENCE: Duration = Duration::from_secs(5);
+    // Shared with the tests of `heartbeat`.
+    pub(super) const PATIENCE: Duration = Duration::from_secs(5);
 
-    async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    pub(super) async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
         tokio::time::timeout(PATIENCE, fut)
             .await
             .unwrap_or_else(|_| panic!("{what}: nothing within {PATIENCE:?}"))
+    }
+
+    /// A lighthouse on loopback whose quorums form quickly.
+    pub(super) async fn start_lighthouse() -> ServerHandle {
+        lighthouse::serve(LighthouseOptions {
+            bind: "127.0.0.1:0".into(),
+            join_timeout: Duration::from_millis(100),
+            ..LighthouseOptions::default()
+        })
+        .await
+        .expect("lighthouse starts")
     }
 
     /// A proxy in front of `target` whose `reset` closes every connection through it
@@ -738,13 +750,7 @@ mod tests {
     /// no step that could commit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_broken_stream_tells_the_ranks_its_quorum_is_lost_and_the_next_one_is_new() {
-        let server = lighthouse::serve(LighthouseOptions {
-            bind: "127.0.0.1:0".into(),
-            join_timeout: Duration::from_millis(100),
-            ..LighthouseOptions::default()
-        })
-        .await
-        .expect("lighthouse starts");
+        let server = start_lighthouse().await;
         let (through, reset) = proxy(server.local_addr()).await;
         let handle = serve(ManagerOptions {
             replica_id: "g".into(),
