@@ -52,6 +52,28 @@ def child_env() -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def phalanx_run(
+    *args: str, env: dict[str, str] | None = None, **popen
+) -> Iterator[subprocess.Popen]:
+    """`python -m phalanx run *args` from the repository root, its output read as text,
+    with `env` added to `child_env()`; killed at the end of the block if it still runs,
+    and always reaped."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "phalanx", "run", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**child_env(), **(env or {})},
+        cwd=TESTS.parent,
+        **popen,
+    ) as proc:
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def http_get(
     url: str, token: str | None = None, timeout: float = 5.0, accept: str | None = None
 ) -> tuple[int, str]:

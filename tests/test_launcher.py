@@ -24,7 +24,7 @@ from phalanx.launcher.ranks import rank_mode, resolve
 from phalanx.launcher.supervisor import Launcher
 from phalanx.restarts import MAX_BACKOFF, CommitWatch, Exit, RestartCount, Sighting
 
-from conftest import PROCS, TESTS, child_env, http_get, write_token_file
+from conftest import PROCS, TESTS, child_env, http_get, phalanx_run, write_token_file
 
 RANK = str(PROCS / "launched_rank.py")
 
@@ -92,20 +92,8 @@ def test_every_rank_gets_its_environment_and_a_prefixed_output():
 def two_groups_running() -> Iterator[subprocess.Popen]:
     """`phalanx run --replicas 2` of ranks that report and sleep a minute; killed at
     the end of the block if it still runs."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--", RANK, "60", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
-    try:
+    with phalanx_run("--replicas", "2", "--", RANK, "60", "0") as launcher:
         yield launcher
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()
 
 
 def test_without_a_token_given_every_rank_gets_a_new_one_its_lighthouse_requires():
@@ -248,36 +236,29 @@ while True:
 def test_a_group_that_commits_between_its_failures_gets_its_restarts_back(tmp_path):
     script = tmp_path / "quiet_train.py"
     script.write_text(QUIET_TRAIN)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--max-restarts", "1"]
-        + ["--restart-backoff", "0.2", "--", str(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + 90
+    run = ["--replicas", "2", "--max-restarts", "1", "--restart-backoff", "0.2", "--", str(script)]
+    with phalanx_run(*run) as launcher:
+        lines: list[str] = []
+        deadline = time.monotonic() + 90
 
-    def wait_for(text: str) -> str:
-        """The next line of the launcher's that holds `text`."""
-        while True:
-            assert time.monotonic() < deadline, "".join(lines)
-            line = launcher.stdout.readline()
-            assert line, "phalanx run ended first:\n" + "".join(lines)
-            lines.append(line)
-            if text in line:
-                return line
+        def wait_for(text: str) -> str:
+            """The next line of the launcher's that holds `text`."""
+            while True:
+                assert time.monotonic() < deadline, "".join(lines)
+                line = launcher.stdout.readline()
+                assert line, "phalanx run ended first:\n" + "".join(lines)
+                lines.append(line)
+                if text in line:
+                    return line
 
-    def life_of_group0(commits: bool) -> None:
-        """Waits for group0 to start (and, if `commits`, for the launcher to see it
-        commit a step), then kills its rank."""
-        pid = int(wait_for("started group0 (").rsplit("pids ", 1)[1].rstrip(")\n"))
-        if commits:
-            wait_for("group0 committed a step in this life")
-        os.kill(pid, signal.SIGKILL)
+        def life_of_group0(commits: bool) -> None:
+            """Waits for group0 to start (and, if `commits`, for the launcher to see it
+            commit a step), then kills its rank."""
+            pid = int(wait_for("started group0 (").rsplit("pids ", 1)[1].rstrip(")\n"))
+            if commits:
+                wait_for("group0 committed a step in this life")
+            os.kill(pid, signal.SIGKILL)
 
-    try:
         life_of_group0(commits=False)
         assert "(failed: 1 failure and 0 evictions" in wait_for("restarting group0")
         # Twice more than --max-restarts 1 allows in all: each life committed, so each
@@ -290,10 +271,6 @@ def test_a_group_that_commits_between_its_failures_gets_its_restarts_back(tmp_pa
         assert "after 3 restart(s): 2 failures and 0 evictions as stalled in a row" in gave_up
         launcher.send_signal(signal.SIGTERM)
         rest, _ = launcher.communicate(timeout=30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     log = "".join(lines) + rest
     assert "group0: 3 restart(s); exits: 4 failed; given up" in log
     assert "gave up" not in "".join(lines[:-1]), "given up only at the end"
@@ -302,14 +279,7 @@ def test_a_group_that_commits_between_its_failures_gets_its_restarts_back(tmp_pa
 
 def run_until(args: list[str], enough: Callable[[list[str]], bool], within: float) -> str:
     """`phalanx run ARGS` until its output so far is `enough`, then SIGTERM; its log."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "phalanx", "run", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
-    try:
+    with phalanx_run(*args) as launcher:
         lines: list[str] = []
         deadline = time.monotonic() + within
         while not enough(lines):
@@ -320,10 +290,6 @@ def run_until(args: list[str], enough: Callable[[list[str]], bool], within: floa
         launcher.send_signal(signal.SIGTERM)
         rest, _ = launcher.communicate(timeout=30)
         return "".join(lines) + rest
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
 
 
 #: Injected failures must not use up --max-restarts: with none allowed, a group that

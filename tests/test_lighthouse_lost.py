@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import PROCS, TESTS, child_env
+from conftest import PROCS, phalanx_run
 
 TRAIN = str(PROCS / "ft_train.py")
 QUORUM_TIMEOUT = 1.0
@@ -56,39 +56,14 @@ def test_ranks_wait_for_a_lost_lighthouse_then_give_up_saying_what_to_do(
 @pytest.mark.slow
 def test_phalanx_run_ends_non_zero_when_its_lighthouse_is_gone(spawn, start_lighthouse_cli):
     lighthouse, address = start_lighthouse_cli()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "phalanx",
-            "run",
-            "--lighthouse",
-            address,
-            "--replica-id",
-            "solo",
-            "--insecure",
-            "--",
-            TRAIN,
-            "--steps",
-            "100000",
-            "--timeout",
-            str(2 * QUORUM_TIMEOUT),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**child_env(), "PHALANX_LIGHTHOUSE_TIMEOUT": str(LIGHTHOUSE_TIMEOUT)},
-        cwd=TESTS.parent,
-    )
-    try:
+    run = ["--lighthouse", address, "--replica-id", "solo", "--insecure", "--", TRAIN]
+    run += ["--steps", "100000", "--timeout", str(2 * QUORUM_TIMEOUT)]
+    lighthouse_timeout = {"PHALANX_LIGHTHOUSE_TIMEOUT": str(LIGHTHOUSE_TIMEOUT)}
+    with phalanx_run(*run, env=lighthouse_timeout, stderr=subprocess.STDOUT) as proc:
         for line in proc.stdout:
             if '"committed": true' in line:
                 break
         lighthouse.signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, out[-3000:]
     assert "the lighthouse at" in out and "cannot be reached" in out, out[-3000:]
