@@ -43,9 +43,16 @@ def both_ask(group, step: int) -> list[phalanx.QuorumResult]:
     )
 
 
-def test_the_ranks_of_a_group_get_one_quorum_and_commit_together(group):
+def both_vote(group, step: int, vote0: bool, vote1: bool) -> list[bool]:
+    """Both ranks vote on `step` at once; whether each was told to commit."""
     rank0, rank1 = group
+    return together(
+        lambda: rank0.should_commit(0, step, vote0, timeout=5.0).commit,
+        lambda: rank1.should_commit(1, step, vote1, timeout=5.0).commit,
+    )
 
+
+def test_the_ranks_of_a_group_get_one_quorum_and_commit_together(group):
     r0, r1 = both_ask(group, step=0)
 
     assert r0.quorum_id == r1.quorum_id
@@ -59,22 +66,15 @@ def test_the_ranks_of_a_group_get_one_quorum_and_commit_together(group):
     assert member.state_addresses == ["127.0.0.1:1000", "127.0.0.1:1001"]
     assert not r0.heal and r0.recovery_sources == []
 
-    votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
-    )
+    votes = both_vote(group, 0, True, True)
     assert votes == [True, True]
 
 
 def test_one_rank_voting_no_fails_the_step_for_every_rank(group):
     # I2: the group commits only if every rank voted yes.
-    rank0, rank1 = group
     both_ask(group, step=0)
 
-    votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
-        lambda: rank1.should_commit(1, 0, False, timeout=5.0).commit,
-    )
+    votes = both_vote(group, 0, True, False)
 
     assert votes == [False, False]
 
@@ -96,18 +96,11 @@ def test_a_rank_that_never_votes_means_no_after_the_timeout(group):
 def test_a_failed_step_can_be_retried_under_the_next_quorum(group):
     # A step that failed is not committed and the loop tries the same step again,
     # under a new quorum: the old "no" must not stick to the step number.
-    rank0, rank1 = group
     first = both_ask(group, step=0)
-    together(
-        lambda: rank0.should_commit(0, 0, False, timeout=5.0).commit,
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
-    )
+    both_vote(group, 0, False, True)
 
     again = both_ask(group, step=0)
-    votes = together(
-        lambda: rank0.should_commit(0, 0, True, timeout=5.0).commit,
-        lambda: rank1.should_commit(1, 0, True, timeout=5.0).commit,
-    )
+    votes = both_vote(group, 0, True, True)
 
     assert len({r.quorum_id for r in again}) == 1
     assert again[0].quorum_id > first[0].quorum_id  # the failure moved the id up

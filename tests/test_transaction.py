@@ -290,37 +290,32 @@ def test_a_group_built_unlike_its_peers_is_told_what_to_fix(lighthouse):
     assert "Every replica group must build the same model" in str(error)
 
 
+def rank_of_two(
+    lighthouse, replica_id: str, group_rank: int, store_port: int, **kw
+) -> phalanx.Manager:
+    """Rank `group_rank` of replica group `replica_id`, of two ranks, whose rank 0
+    serves the group's store (and manager) on `store_port`."""
+    return phalanx.Manager(
+        replica_id=replica_id,
+        lighthouse=lighthouse.address,
+        group_rank=group_rank,
+        group_world_size=2,
+        store_port=store_port,
+        **kw,
+    )
+
+
 def test_a_rank_that_reaches_another_groups_store_is_told_so(lighthouse):
     # Two groups given one MASTER_PORT: b's rank 1 reaches a's manager, not its own.
     port = free_port()
-    a = phalanx.Manager(
-        replica_id="a",
-        lighthouse=lighthouse.address,
-        group_rank=0,
-        group_world_size=2,
-        store_port=port,
-    )
+    a = rank_of_two(lighthouse, "a", 0, port)
     try:
         with pytest.raises(ValueError, match="reached the manager of replica group 'a'"):
-            phalanx.Manager(
-                replica_id="b",
-                lighthouse=lighthouse.address,
-                group_rank=1,
-                group_world_size=2,
-                store_port=port,
-                timeout=1.0,
-            )
+            rank_of_two(lighthouse, "b", 1, port, timeout=1.0)
     finally:
         a.shutdown()
 
 
 def test_a_rank_whose_rank_0_never_serves_is_told_so(lighthouse):
     with pytest.raises(TimeoutError, match="found no manager of its group at 127.0.0.1:"):
-        phalanx.Manager(
-            replica_id="b",
-            lighthouse=lighthouse.address,
-            group_rank=1,
-            group_world_size=2,
-            store_port=free_port(),
-            timeout=1.0,
-        )
+        rank_of_two(lighthouse, "b", 1, free_port(), timeout=1.0)
