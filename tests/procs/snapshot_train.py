@@ -53,6 +53,12 @@ from phalanx.snapshots import catalog, storage
 from state_digest import digest, state_hash, tensors_of
 
 
+def emit(line: dict) -> None:
+    """Prints `line` as JSON in one write: a rank killed while printing leaves no part
+    of a line for its next start's first line to run into."""
+    os.write(sys.stdout.fileno(), (json.dumps(line) + "\n").encode())
+
+
 def optimizer_tensors(optimizer_state: dict) -> list[torch.Tensor]:
     tensors = []
     for state in optimizer_state["state"].values():
@@ -78,7 +84,7 @@ def hold_writes(mode: str, hold_from: int) -> None:
             return  # a resumed job (a new lineage) writes as usual
         stem = catalog.stem(step, lineage, quorum)
         line = {"event": "holding_write", "at": mode, "step": step, "stem": stem}
-        print(json.dumps(line), flush=True)
+        emit(line)
         threading.Event().wait()  # a hung storage: only a kill ends it
 
     if mode == "publish":
@@ -119,7 +125,7 @@ def report_resumes(fingerprint) -> None:
             "failure": failure,
             "hash": fingerprint(rank.registry.state()),
         }
-        print(json.dumps(line), flush=True)
+        emit(line)
         return failure
 
     phalanx.transaction.resume = reporting_resume
@@ -142,14 +148,14 @@ def print_step(manager: phalanx.Manager, step: int, committed: bool, fingerprint
         "hash": fingerprint,
         "t": time.time(),
     }
-    print(json.dumps(line), flush=True)
+    emit(line)
 
 
 def hold_if_at(manager: phalanx.Manager, hold_at: int) -> None:
     """Holds the training thread for good after committing step `hold_at` of lineage 0."""
     if manager.current_step() == hold_at and manager.lineage == 0:
         line = {"event": "holding", "after": hold_at, "rank": manager.group_rank}
-        print(json.dumps(line), flush=True)
+        emit(line)
         threading.Event().wait()  # only a kill ends it
 
 
@@ -218,7 +224,7 @@ def main() -> None:
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 1))
     manager = phalanx.Manager(timeout=args.timeout)
-    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    emit({"event": "ready", "pid": os.getpid()})
 
     if args.strategy == "diloco":
         report_resumes(lambda state: diloco_fingerprint(state["diloco"]))
@@ -234,7 +240,7 @@ def main() -> None:
     manager.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
-    print(json.dumps({"event": "done", "step": manager.current_step()}), flush=True)
+    emit({"event": "done", "step": manager.current_step()})
     sys.exit(0)
 
 
