@@ -16,13 +16,11 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-from harness import lighthouse_process, report, stop
+from harness import lighthouse_process, report, start_worker, stop
 
 WORKER = Path(__file__).resolve()
 
@@ -50,12 +48,7 @@ def run_worker(replica_id: str, lighthouse: str) -> None:
 
 class Worker:
     def __init__(self, replica_id: str, lighthouse: str):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), "--worker", replica_id, "--lighthouse", lighthouse],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        self.proc = start_worker(WORKER, worker=replica_id, lighthouse=lighthouse)
         self.steps: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from phalanx.watchdog import CHAOS_ENV, CHAOS_SIGNAL
 
-from harness import lighthouse_process, report, stop
+from harness import cli_flags, lighthouse_process, report, stop
 
 HERE = Path(__file__).parent
 
@@ -136,11 +136,8 @@ def main() -> None:
     parser.add_argument("--stall-timeout", type=float, default=3.0)
     args = parser.parse_args()
 
-    flags = (
-        "--join-timeout",
-        f"{args.join_timeout}s",
-        "--heartbeat-timeout",
-        f"{args.heartbeat_timeout}s",
+    flags = cli_flags(
+        join_timeout=f"{args.join_timeout}s", heartbeat_timeout=f"{args.heartbeat_timeout}s"
     )
     with lighthouse_process(*flags) as (address, _):
         bound = args.heartbeat_timeout + 10

@@ -3,6 +3,7 @@ report format (a human table, then one JSON object as the last line)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -13,6 +14,36 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+
+
+def cli_flags(**options: object) -> list[str]:
+    """`--name value` for each option, its underscores as dashes: a command line."""
+    return [
+        arg
+        for name, value in options.items()
+        for arg in (f"--{name.replace('_', '-')}", str(value))
+    ]
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a bench run as one of its own workers: which side (`--worker`), its
+    rank, its rendezvous port and its lighthouse."""
+    parser.add_argument("--worker", choices=["torch", "phalanx"])
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--lighthouse", default="")
+
+
+def start_worker(script: Path, **options: object) -> subprocess.Popen:
+    """`script --option value …` in a process of its own with one torch thread; its
+    stdout, piped, is what `worker_results` reads."""
+    return subprocess.Popen(
+        [sys.executable, str(script), *cli_flags(**options)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def free_port() -> int:

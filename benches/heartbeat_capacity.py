@@ -17,7 +17,7 @@ import time
 
 from phalanx._core import _testing
 
-from harness import cpu_seconds, lighthouse_process, metric, percentile, report, stop
+from harness import cli_flags, cpu_seconds, lighthouse_process, metric, percentile, report, stop
 
 LOAD = """
 import sys
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args()
 
-    flags = ("--join-timeout", "1s", "--heartbeat-timeout", "5s")
+    flags = cli_flags(join_timeout="1s", heartbeat_timeout="5s")
     with lighthouse_process(*flags) as (address, pid):
         load = subprocess.Popen(
             [

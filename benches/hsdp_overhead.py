@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from harness import free_port, lighthouse_process, report, slowest_median
+from harness import (
+    add_worker_arguments,
+    free_port,
+    lighthouse_process,
+    report,
+    slowest_median,
+    start_worker,
+)
 
 WORKER = Path(__file__).resolve()
 GROUPS, RANKS = 2, 2
@@ -45,7 +49,7 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     model, batches = model_and_data(args.group, args.rank, args.width, args.depth)
     units = list(model)[1:-1]
-    if args.mode == "torch":
+    if args.worker == "torch":
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{args.port}",
@@ -81,7 +85,7 @@ def run_worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     print(json.dumps({"median_ms": statistics.median(times) * 1e3}), flush=True)
-    if args.mode == "phalanx":
+    if args.worker == "phalanx":
         manager.shutdown()
     dist.destroy_process_group()
 
@@ -94,36 +98,19 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
         for rank in range(RANKS):
             # One rendezvous for the whole torch job; one store per group for phalanx.
             port = ports[0] if mode == "torch" else ports[group]
-            argv = [
-                sys.executable,
-                str(WORKER),
-                "--worker",
-                mode,
-                "--group",
-                str(group),
-                "--rank",
-                str(rank),
-                "--port",
-                str(port),
-                "--lighthouse",
-                lighthouse,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--width",
-                str(args.width),
-                "--depth",
-                str(args.depth),
-            ]
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1"},
-                )
+            worker = start_worker(
+                WORKER,
+                worker=mode,
+                group=group,
+                rank=rank,
+                port=port,
+                lighthouse=lighthouse,
+                steps=args.steps,
+                warmup=args.warmup,
+                width=args.width,
+                depth=args.depth,
             )
+            procs.append(worker)
     return slowest_median(procs, mode)
 
 
@@ -133,14 +120,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--worker", choices=["torch", "phalanx"])
     parser.add_argument("--group", type=int, default=0)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--lighthouse", default="")
+    add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        args.mode = args.worker
         run_worker(args)
         return
 

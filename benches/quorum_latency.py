@@ -20,7 +20,7 @@ import argparse
 
 from phalanx._core import _testing
 
-from harness import cpu_seconds, lighthouse_process, percentile, report
+from harness import cli_flags, cpu_seconds, lighthouse_process, percentile, report
 
 
 def main() -> None:
@@ -31,14 +31,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # Every group is in every quorum from the first round on.
-    flags = (
-        "--join-timeout",
-        "1s",
-        "--heartbeat-timeout",
-        "5s",
-        "--min-replicas",
-        str(args.replicas),
-    )
+    flags = cli_flags(join_timeout="1s", heartbeat_timeout="5s", min_replicas=args.replicas)
     with lighthouse_process(*flags) as (address, pid):
         cpu_before = cpu_seconds(pid)
         timings = _testing.bench_quorum_rounds(

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-from harness import free_port, lighthouse_process, mlp_and_batches, report, worker_results
+from harness import (
+    add_worker_arguments,
+    free_port,
+    lighthouse_process,
+    mlp_and_batches,
+    report,
+    start_worker,
+    worker_results,
+)
 
 WORKER = Path(__file__).resolve()
 
@@ -34,7 +39,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     model, batches = mlp_and_batches(args.width, args.rank)
-    if args.mode == "torch":
+    if args.worker == "torch":
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2
         )
@@ -68,7 +73,7 @@ def run_worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
     cpu_ms = (time.process_time() - cpu) / args.steps * 1e3
     print(json.dumps({"median_ms": statistics.median(times) * 1e3, "cpu_ms": cpu_ms}), flush=True)
-    if args.mode == "torch":
+    if args.worker == "torch":
         dist.destroy_process_group()
     else:
         manager.shutdown()
@@ -82,28 +87,15 @@ class Sample(NamedTuple):
 def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample:
     port = free_port()
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                "--worker",
-                mode,
-                "--rank",
-                str(rank),
-                "--port",
-                str(port),
-                "--lighthouse",
-                lighthouse,
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--width",
-                str(args.width),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_worker(
+            WORKER,
+            worker=mode,
+            rank=rank,
+            port=port,
+            lighthouse=lighthouse,
+            steps=args.steps,
+            warmup=args.warmup,
+            width=args.width,
         )
         for rank in range(2)
     ]
@@ -122,13 +114,9 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--worker", choices=["torch", "phalanx"])
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--lighthouse", default="")
+    add_worker_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        args.mode = args.worker
         run_worker(args)
         return
 
