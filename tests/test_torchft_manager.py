@@ -3,9 +3,10 @@ semantics, and a clear refusal of what phalanx cannot honour."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -38,6 +39,16 @@ def make(lighthouse, replica_id: str = "a", **kwargs) -> torchft.Manager:
         **kwargs,
     }
     return torchft.Manager(**options)
+
+
+@contextlib.contextmanager
+def running(lighthouse, replica_id: str = "a", **kwargs) -> Iterator[torchft.Manager]:
+    """`make(...)`'s Manager, shut down at the end of the block."""
+    manager = make(lighthouse, replica_id, **kwargs)
+    try:
+        yield manager
+    finally:
+        manager.shutdown()
 
 
 def together(*calls: Callable[[], object]) -> list[object]:
@@ -97,19 +108,15 @@ def test_with_spares_only_min_replica_size_groups_contribute(lighthouse2):
 
 
 def test_a_step_with_fewer_groups_than_min_replica_size_fails_until_max_retries(lighthouse):
-    manager = make(lighthouse, min_replica_size=2, max_retries=1)
-    try:
+    with running(lighthouse, min_replica_size=2, max_retries=1) as manager:
         assert step(manager, 1.0)[1] is False
         assert "fewer than min_replica_size=2" in str(manager.errored())
         with pytest.raises(RuntimeError, match=r"2 steps in a row did not commit \(max_retries=1"):
             step(manager, 1.0)
-    finally:
-        manager.shutdown()
 
 
 def test_wrap_future_gives_the_default_and_fails_the_step(lighthouse):
-    manager = make(lighthouse)
-    try:
+    with running(lighthouse) as manager:
         manager.start_quorum()
         broken: torch.futures.Future[int] = torch.futures.Future()
         wrapped = manager.wrap_future(broken, default=7)
@@ -123,33 +130,25 @@ def test_wrap_future_gives_the_default_and_fails_the_step(lighthouse):
 
         manager.start_quorum()  # the next step starts clean
         assert manager.errored() is None and manager.should_commit() is True
-    finally:
-        manager.shutdown()
 
 
 def test_a_checkpoints_step_is_resumed_before_the_first_quorum(lighthouse):
-    manager = make(lighthouse)
-    try:
+    with running(lighthouse) as manager:
         manager.load_state_dict({"step": 5, "batches_committed": 9})
         assert step(manager, 1.0)[1] is True
         assert manager.state_dict() == {"step": 6, "batches_committed": 10}
         with pytest.raises(RuntimeError, match="before the training loop starts"):
             manager.load_state_dict({"step": 1, "batches_committed": 0})
-    finally:
-        manager.shutdown()
 
 
 def test_torchfts_environment_overrides_win_and_the_launchers_name_wins(lighthouse, monkeypatch):
     monkeypatch.setenv("TORCHFT_TIMEOUT_SEC", "12")
     monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "40")
     monkeypatch.setenv("PHALANX_REPLICA_ID", "group1")
-    manager = make(lighthouse, replica_id="train_ddp_1")
-    try:
+    with running(lighthouse, replica_id="train_ddp_1") as manager:
         timeouts = manager.phalanx.timeouts
         assert (timeouts.collective, timeouts.commit, timeouts.quorum) == (10.0, 12.0, 40.0)
         assert manager.phalanx.replica_id == "group1"
-    finally:
-        manager.shutdown()
 
 
 def test_an_unneeded_argument_is_accepted_and_logged_once(lighthouse, caplog):
@@ -184,8 +183,7 @@ def test_an_argument_phalanx_cannot_honour_raises_naming_it(lighthouse, change, 
 
 
 def test_a_call_phalanx_cannot_honour_raises_naming_it(lighthouse):
-    manager = make(lighthouse)
-    try:
+    with running(lighthouse) as manager:
         with pytest.raises(ValueError, match="allow_heal=False cannot be honoured"):
             manager.start_quorum(allow_heal=False)
         manager.start_quorum()
@@ -194,8 +192,6 @@ def test_a_call_phalanx_cannot_honour_raises_naming_it(lighthouse):
         with pytest.raises(AttributeError, match="manager.phalanx"):
             manager._pg  # noqa: B018
         assert manager.should_commit()
-    finally:
-        manager.shutdown()
 
 
 def test_a_torchft_name_phalanx_lacks_names_what_to_use():
@@ -206,16 +202,13 @@ def test_a_torchft_name_phalanx_lacks_names_what_to_use():
 
 
 def test_ddp_refuses_a_torch_ddp_argument_it_cannot_honour(lighthouse):
-    manager = make(lighthouse)
-    try:
+    with running(lighthouse) as manager:
         with pytest.raises(TypeError, match="process_group, which phalanx cannot honour"):
             torchft.DistributedDataParallel(manager, torch.nn.Linear(2, 2), process_group=None)
         ddp = torchft.DistributedDataParallel(
             manager, torch.nn.Linear(2, 2), find_unused_parameters=True, bucket_cap_mb=1
         )
         assert isinstance(ddp.module, torch.nn.Linear)
-    finally:
-        manager.shutdown()
 
 
 def test_the_optimizer_wrapper_steps_only_a_committed_step(lighthouse):
@@ -285,8 +278,7 @@ def test_process_group_specs_refuse_what_phalanx_cannot_run():
 
 
 def test_two_threads_waiting_on_one_work_finish_it_once(lighthouse):
-    manager = make(lighthouse)
-    try:
+    with running(lighthouse) as manager:
         manager.start_quorum()
         tensor = torch.tensor([4.0])
         work = manager.allreduce(tensor)
@@ -297,5 +289,3 @@ def test_two_threads_waiting_on_one_work_finish_it_once(lighthouse):
             t.join(10)
         assert work.get_future().wait().item() == 4.0
         assert manager.should_commit()
-    finally:
-        manager.shutdown()
