@@ -249,11 +249,14 @@ def test_every_group_killed_at_once_resumes_from_the_last_complete_snapshot(spaw
 
 
 # The kill before the manifest's rename is the quick check's; inside DCP's write, CI's.
-@pytest.mark.parametrize("at", [pytest.param("data", marks=pytest.mark.slow), "publish"])
+@pytest.mark.parametrize(
+    "at", [pytest.param(at, marks=pytest.mark.slow) for at in ("data", "rename")] + ["publish"]
+)
 def test_a_kill_while_a_snapshot_is_written_leaves_the_previous_one_in_use(spawn, tmp_path, at):
     """Every group's writes from step 3 * EVERY on hang (in DCP's write, after the
-    tensors; or with the data complete and synced, just before the manifest's
-    rename), and the kill lands while one hangs."""
+    tensors; with the data complete and synced, before the manifest is written; or
+    with the manifest in its temporary file, before its rename), and the kill lands
+    while one hangs."""
     steps = 5 * EVERY
     hold = ("--hold-write", at, "--hold-from", str(3 * EVERY))
     # Restarted 2 s after the kill, long after the folder is looked at.
@@ -268,9 +271,12 @@ def test_a_kill_while_a_snapshot_is_written_leaves_the_previous_one_in_use(spawn
     job.kill(job.run(0))
 
     # Mid-write: the data folder of the snapshot is there, its manifest is not.
-    torn = [entry for entry in os.listdir(tmp_path) if entry.startswith(held["stem"])]
-    assert len(torn) == 1 and torn[0].endswith(catalog.DATA_SUFFIX), os.listdir(tmp_path)
-    assert any((tmp_path / torn[0] / "rank-0").iterdir()), "its shard was being written"
+    torn = [entry for entry in os.listdir(tmp_path) if held["stem"] in entry]
+    data = [entry for entry in torn if entry.endswith(catalog.DATA_SUFFIX)]
+    assert len(data) == 1 and not any(e.endswith(catalog.MANIFEST_SUFFIX) for e in torn), torn
+    assert any((tmp_path / data[0] / "rank-0").iterdir()), "its shard was being written"
+    if at == "rename":
+        assert any(e.endswith(catalog.TEMPORARY_SUFFIX) for e in torn), "a temporary manifest"
     snapshot = manifests(tmp_path)[0]
     assert snapshot.step == 2 * EVERY and held["step"] == 3 * EVERY, (snapshot, held)
 
@@ -280,7 +286,7 @@ def test_a_kill_while_a_snapshot_is_written_leaves_the_previous_one_in_use(spawn
     assert_one_state_per_step(before + after)
     # The new lineage published snapshots of its own, and the half-written one is gone.
     assert manifests(tmp_path)[0].lineage == lineage
-    assert not (tmp_path / torn[0]).exists(), os.listdir(tmp_path)
+    assert not any((tmp_path / entry).exists() for entry in torn), os.listdir(tmp_path)
 
 
 # -- HSDP and DiLoCo ----------------------------------------------------------------------

@@ -25,7 +25,8 @@ the test kills it there, at a step of its choosing.
 `--hold-write data --hold-from S` makes this rank's write of every snapshot of
 lineage 0 from step S on stop after its tensors are written but before DCP's
 metadata (no manifest either); `--hold-write publish` stops it once the data is
-complete and synced, just before the manifest is renamed into place. A resumed job
+complete and synced, just before the manifest is written; `--hold-write rename`
+once its temporary file is written, just before its rename. A resumed job
 (a new lineage) writes as usual. SIGUSR2 dumps every thread's stack to stderr.
 """
 
@@ -87,6 +88,18 @@ def hold_writes(mode: str, hold_from: int) -> None:
         emit(line)
         threading.Event().wait()  # a hung storage: only a kill ends it
 
+    if mode == "rename":
+        # The one rename of the manifest, once its temporary file is written and synced
+        # (os.replace is the process's own: the hold lets every other rename through).
+        replace = os.replace
+
+        def held_replace(src, dst, *args, **kwargs):
+            if os.fspath(dst).endswith(catalog.MANIFEST_SUFFIX):
+                hold(os.path.basename(os.fspath(dst)))
+            replace(src, dst, *args, **kwargs)
+
+        storage.os.replace = held_replace
+        return
     if mode == "publish":
         publish = storage.LocalStorage.publish
 
@@ -212,7 +225,7 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=2, help="DiLoCo's inner steps")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--hold-at", type=int, default=-1)
-    parser.add_argument("--hold-write", choices=["data", "publish"], default=None)
+    parser.add_argument("--hold-write", choices=["data", "publish", "rename"], default=None)
     parser.add_argument("--hold-from", type=int, default=0)
     args = parser.parse_args()
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stack dump, for a hang
