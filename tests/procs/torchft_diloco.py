@@ -6,6 +6,7 @@ unchanged.
 
     phalanx run --as-torchft --replicas 3 -- tests/procs/torchft_diloco.py --steps 40
 
+Its flags and each group's data are those of tests/procs/torchft_local_sgd.py:
 `--steps` counts the Manager's steps (syncs committed). One JSON line per inner step
 (tests/procs/torchft_steplog.py); `committed` is true on the inner step whose sync
 committed, and its fingerprint is of the global parameters and the outer
@@ -14,7 +15,6 @@ optimizer's state, which every group holds the same after a committed sync.
 
 from __future__ import annotations
 
-import argparse
 import time
 from datetime import timedelta
 
@@ -22,11 +22,10 @@ import torch
 import torchft
 from torch import nn
 from torchft.local_sgd import DiLoCo
+from torchft_local_sgd import FEATURES, HIDDEN, batch, sync_arguments
 from torchft_steplog import Environment, StepLog
 
 from state_digest import tensors_of
-
-FEATURES, HIDDEN, BATCH = 8, 16, 16
 
 
 class Net(nn.Module):
@@ -37,13 +36,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.back(self.front(x))
-
-
-def batch(group: int, local_step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's own data: drawn from (group, this life's step count)."""
-    g = torch.Generator().manual_seed(100_000 * group + local_step)
-    x = torch.randn(BATCH, FEATURES, generator=g)
-    return x, torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.5 * x[:, 4:].mean(1, keepdim=True)
 
 
 def global_state(diloco: DiLoCo) -> list[torch.Tensor] | None:
@@ -63,11 +55,7 @@ OUTER_LR = 0.3
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, required=True, help="stop at this many syncs")
-    parser.add_argument("--sync-every", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=10.0)
-    args = parser.parse_args()
+    args = sync_arguments()
     env = Environment.read()
     torch.set_num_threads(1)
 

@@ -33,12 +33,17 @@ def batch(group: int, local_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.5 * x[:, 4:].mean(1, keepdim=True)
 
 
-def main() -> None:
+def sync_arguments() -> argparse.Namespace:
+    """`--steps` (syncs committed), `--sync-every` and `--timeout`."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True, help="stop at this many syncs")
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=10.0)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = sync_arguments()
     env = Environment.read()
     torch.set_num_threads(1)
 
