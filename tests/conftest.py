@@ -52,6 +52,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def lighthouse_argv(bind: str, *flags: str) -> list[str]:
+    """The command line of `phalanx lighthouse` listening on `bind`."""
+    return [sys.executable, "-m", "phalanx", "lighthouse", "--bind", bind, *flags]
+
+
 @contextlib.contextmanager
 def phalanx_run(
     *args: str, env: dict[str, str] | None = None, **popen
@@ -295,19 +300,8 @@ def start_lighthouse_cli(spawn: Callable[..., Child]) -> Callable[..., tuple[Chi
     def start(
         bind: str = "127.0.0.1:0", *extra: str, env: dict[str, str] | None = None
     ) -> tuple[Child, str]:
-        argv = [
-            sys.executable,
-            "-m",
-            "phalanx",
-            "lighthouse",
-            "--bind",
-            bind,
-            "--join-timeout",
-            f"{JOIN_TIMEOUT}s",
-            "--heartbeat-timeout",
-            f"{HEARTBEAT_TIMEOUT}s",
-            *extra,
-        ]
+        argv = lighthouse_argv(bind, "--join-timeout", f"{JOIN_TIMEOUT}s")
+        argv += ["--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT}s", *extra]
         child = spawn(f"lighthouse({bind})", argv, env)
         line = child.expect(
             lambda line: "listening on" in line.get("text", ""), 10.0, "the listening line"

@@ -6,6 +6,7 @@ behind TCP's retransmission backoff on the connection that went silent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -16,13 +17,13 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from test_hosts import (
-    LIGHTHOUSE_PORT,
     TOKEN,
     TRAIN,
     Host,
-    committed_steps,
+    assert_one_state_per_step,
     committed_with,
     on_one_switch,
+    start_lighthouse_on,
     step_of,
 )
 
@@ -35,12 +36,12 @@ MARGIN = 0.5
 CUT_S = 8.0
 
 
-@pytest.fixture
-def cut_hosts() -> Iterator[dict[str, Host]]:
-    """Hosts "lh", "g1" and "g2", plus the switch, whose neighbours are pinned: a cut
+@contextlib.contextmanager
+def pinned_switch(*names: str) -> Iterator[dict[str, Host]]:
+    """Hosts `names` on one switch, plus the switch, with every neighbour pinned: a cut
     drops ARP too, and a neighbour entry that failed meanwhile would turn the silence
     into fast "no route to host" errors."""
-    with on_one_switch("lh", "g1", "g2") as (network, made):
+    with on_one_switch(*names) as (network, made):
         macs = {name: mac(host) for name, host in made.items()}
         for name, host in made.items():
             for other, peer in made.items():
@@ -48,6 +49,13 @@ def cut_hosts() -> Iterator[dict[str, Host]]:
                     lladdr = ["lladdr", macs[other], "dev", "eth0", "nud", "permanent"]
                     run(host, "ip", "neigh", "replace", peer.address, *lladdr)
         yield {**made, "switch": Host(network.switch, "")}
+
+
+@pytest.fixture
+def cut_hosts() -> Iterator[dict[str, Host]]:
+    """Hosts "lh", "g1" and "g2", plus the switch (see `pinned_switch`)."""
+    with pinned_switch("lh", "g1", "g2") as hosts:
+        yield hosts
 
 
 def run(host: Host, *argv: str) -> str:
@@ -85,16 +93,9 @@ def answered_at(record: dict) -> float:
 def test_a_group_cut_off_is_answered_within_a_join_timeout_of_the_heal(
     cut_hosts: dict[str, Host], spawn: Callable[..., Child]
 ):
-    lh = f"{cut_hosts['lh'].address}:{LIGHTHOUSE_PORT}"
-    lighthouse = spawn(
-        "lighthouse",
-        cut_hosts["lh"].command(
-            [sys.executable, "-m", "phalanx", "lighthouse", "--bind", lh, "--token", TOKEN]
-            + ["--min-replicas", "1", "--join-timeout", f"{JOIN_TIMEOUT}s"]
-            + ["--heartbeat-timeout", "2s"]
-        ),
-    )
-    lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 15, "listening")
+    flags = ["--min-replicas", "1", "--join-timeout", f"{JOIN_TIMEOUT}s"]
+    flags += ["--heartbeat-timeout", "2s"]
+    lh = start_lighthouse_on(cut_hosts["lh"], spawn, "--token", TOKEN, *flags)
     g1, g2 = (start_group(cut_hosts, spawn, name, lh) for name in ("g1", "g2"))
     for child in (g1, g2):
         child.expect(committed_with(2), 60, "a step of both groups")
@@ -127,12 +128,7 @@ def test_a_group_cut_off_is_answered_within_a_join_timeout_of_the_heal(
     assert step_of(back)["t_end"] - healed_at < 15, step_of(back)
 
     # One state per step number, across both groups and the cut.
-    fingerprints: dict[int, set[str]] = {}
-    for child in (g1, g2):
-        for r in committed_steps(child):
-            fingerprints.setdefault(r["step"], set()).add(r["fingerprint"])
-    split = {s: f for s, f in fingerprints.items() if len(f) > 1}
-    assert not split, f"steps committed with two states: {sorted(split)[:5]}"
+    assert_one_state_per_step((g1, g2))
     for child in (g1, g2):
         child.signal(signal.SIGTERM)
     for child in (g1, g2):

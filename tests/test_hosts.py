@@ -16,13 +16,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import PROCS, TESTS, Child, child_env, wait_until, write_token_file
+from conftest import (
+    PROCS,
+    TESTS,
+    Child,
+    child_env,
+    lighthouse_argv,
+    wait_until,
+    write_token_file,
+)
 
 #: Used only inside the namespaces made here, which nothing else can reach.
 SUBNET = "10.77.0"
@@ -146,6 +154,25 @@ def committed_steps(child: Child, pids: set[int] | None = None) -> list[dict]:
     return [r for r in records if pids is None or r["pid"] in pids]
 
 
+def assert_one_state_per_step(children: Iterable[Child]) -> None:
+    """No step number was committed with two states, across all of `children` (I1)."""
+    fingerprints: dict[int, set[str]] = {}
+    for child in children:
+        for r in committed_steps(child):
+            fingerprints.setdefault(r["step"], set()).add(r["fingerprint"])
+    split = {s: f for s, f in fingerprints.items() if len(f) > 1}
+    assert not split, f"steps committed with two states: {sorted(split)[:5]}"
+
+
+def start_lighthouse_on(host: Host, spawn: Callable[..., Child], *flags: str) -> str:
+    """`phalanx lighthouse` on `host`, at its address and `LIGHTHOUSE_PORT`; that
+    address, once it listens."""
+    address = f"{host.address}:{LIGHTHOUSE_PORT}"
+    lighthouse = spawn("lighthouse", host.command(lighthouse_argv(address, *flags)))
+    lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 15, "listening")
+    return address
+
+
 def committed_with(participants: int, from_step: int = 0) -> Callable[[dict], bool]:
     def match(line: dict) -> bool:
         record = step_of(line)
@@ -163,16 +190,8 @@ def committed_with(participants: int, from_step: int = 0) -> Callable[[dict], bo
 def test_a_group_on_another_host_is_killed_and_heals_over_the_network(
     hosts: dict[str, Host], spawn: Callable[..., Child]
 ):
-    lighthouse_address = f"{hosts['lh'].address}:{LIGHTHOUSE_PORT}"
-    lighthouse = spawn(
-        "lighthouse",
-        hosts["lh"].command(
-            [sys.executable, "-m", "phalanx", "lighthouse", "--bind", lighthouse_address]
-            + ["--min-replicas", "1", "--join-timeout", "500ms", "--heartbeat-timeout", "2s"]
-            + ["--token", TOKEN]
-        ),
-    )
-    lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 15, "listening")
+    flags = ["--min-replicas", "1", "--join-timeout", "500ms", "--heartbeat-timeout", "2s"]
+    lighthouse_address = start_lighthouse_on(hosts["lh"], spawn, *flags, "--token", TOKEN)
 
     groups: dict[str, Child] = {}
     for replica in ("group-a", "group-b"):
@@ -253,15 +272,7 @@ def test_another_host_without_the_token_is_refused_by_every_plane_and_counted(
 ):
     token_file = write_token_file(tmp_path / "job.token", TOKEN)
     lh, home, stranger = hosts["lh"], hosts["group-a"], hosts["group-b"]
-    lighthouse_address = f"{lh.address}:{LIGHTHOUSE_PORT}"
-    lighthouse = spawn(
-        "lighthouse",
-        lh.command(
-            [sys.executable, "-m", "phalanx", "lighthouse", "--bind", lighthouse_address]
-            + ["--token-file", str(token_file)]
-        ),
-    )
-    lighthouse.expect(lambda line: "listening on" in line.get("text", ""), 15, "listening")
+    lighthouse_address = start_lighthouse_on(lh, spawn, "--token-file", str(token_file))
     launcher = [sys.executable, "-m", "phalanx", "run", "--replicas", "1"]
     launcher += ["--nproc-per-replica", "2", "--replica-id", "group-a"]
     launcher += ["--lighthouse", lighthouse_address, "--token-file", str(token_file)]

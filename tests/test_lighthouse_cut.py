@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from test_cut_heal import mac, port_state, run
-from test_hosts import Host, committed_steps, on_one_switch, step_of
+from test_cut_heal import pinned_switch, port_state
+from test_hosts import Host, assert_one_state_per_step, committed_steps, step_of
 from test_lighthouse_set import NAMES, serving_host, start_host_group, start_hosts_set
 from test_transaction import assert_bit_identical, committed, start_rank
 
@@ -43,17 +43,9 @@ CUT_S = 8.0
 
 @pytest.fixture
 def pinned_hosts() -> Iterator[dict[str, Host]]:
-    """Hosts h1 to h3 and the switch, with every neighbour pinned: a cut drops ARP
-    too, and a neighbour entry that failed meanwhile would turn the silence into fast
-    "no route to host" errors."""
-    with on_one_switch(*NAMES) as (network, made):
-        macs = {name: mac(host) for name, host in made.items()}
-        for name, host in made.items():
-            for other, peer in made.items():
-                if other != name:
-                    lladdr = ["lladdr", macs[other], "dev", "eth0", "nud", "permanent"]
-                    run(host, "ip", "neigh", "replace", peer.address, *lladdr)
-        yield {**made, "switch": Host(network.switch, "")}
+    """Hosts h1 to h3 and the switch (see `pinned_switch`)."""
+    with pinned_switch(*NAMES) as hosts:
+        yield hosts
 
 
 def committed_with_all(line: dict) -> bool:
@@ -133,12 +125,7 @@ def test_cutting_off_the_serving_lighthouse_costs_a_heartbeat_timeout(
         90,
         f"{alone} back in a quorum of three",
     )
-    fingerprints: dict[int, set[str]] = {}
-    for child in groups.values():
-        for r in committed_steps(child):
-            fingerprints.setdefault(r["step"], set()).add(r["fingerprint"])
-    split = {s: f for s, f in fingerprints.items() if len(f) > 1}
-    assert not split, f"steps committed with two states: {sorted(split)[:5]}"
+    assert_one_state_per_step(groups.values())
     for child in groups.values():
         child.signal(signal.SIGTERM)
     for child in groups.values():

@@ -19,6 +19,7 @@ from test_hosts import (
     TOKEN,
     TRAIN,
     Host,
+    assert_one_state_per_step,
     committed_steps,
     committed_with,
     ip,
@@ -28,7 +29,7 @@ from test_hosts import (
 from test_partitions import until
 from test_transaction import assert_bit_identical, committed, start_rank
 
-from conftest import Child, free_port, http_get
+from conftest import Child, free_port, http_get, lighthouse_argv
 
 HEARTBEAT_TIMEOUT = 2.0
 JOIN_TIMEOUT = 0.3
@@ -43,24 +44,10 @@ def start_set(spawn: Callable[..., Child], tmp_path) -> tuple[list[Child], list[
     peers = ",".join(addresses)
     children = []
     for i, address in enumerate(addresses, start=1):
-        argv = [
-            sys.executable,
-            "-m",
-            "phalanx",
-            "lighthouse",
-            "--bind",
-            address,
-            "--peers",
-            peers,
-            "--id",
-            str(i),
-            "--state-file",
-            str(tmp_path / f"lighthouse-{i}.raft"),
-            "--heartbeat-timeout",
-            f"{HEARTBEAT_TIMEOUT}s",
-            "--join-timeout",
-            f"{JOIN_TIMEOUT}s",
-        ]
+        argv = lighthouse_argv(address, "--peers", peers, "--id", str(i))
+        argv += ["--state-file", str(tmp_path / f"lighthouse-{i}.raft")]
+        argv += ["--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT}s"]
+        argv += ["--join-timeout", f"{JOIN_TIMEOUT}s"]
         child = spawn(f"lighthouse-{i}", argv)
         child.expect(lambda line: "listening" in line.get("text", ""), 30, "listens")
         children.append(child)
@@ -167,8 +154,8 @@ def start_hosts_set(hosts: dict[str, Host], spawn: Callable[..., Child], tmp_pat
     addresses = [f"{hosts[n].address}:{LIGHTHOUSE_PORT}" for n in NAMES]
     peers = ",".join(addresses)
     for i, name in enumerate(NAMES, start=1):
-        argv = [sys.executable, "-m", "phalanx", "lighthouse", "--bind", addresses[i - 1]]
-        argv += ["--peers", peers, "--id", str(i), "--token", TOKEN]
+        argv = lighthouse_argv(addresses[i - 1], "--peers", peers, "--id", str(i))
+        argv += ["--token", TOKEN]
         argv += ["--state-file", str(tmp_path / f"{name}.raft")]
         argv += ["--join-timeout", "500ms", "--heartbeat-timeout", "2s"]
         child = spawn(f"lighthouse-{name}", hosts[name].command(argv))
@@ -242,12 +229,7 @@ def test_a_partition_hands_service_to_the_majority_side_and_heals(
     healed_at = time.time()
     groups[alone].expect(committed_after(3, healed_at), 90, "the cut-off group is back")
     # One state per step across the three groups, whatever the partition did.
-    fingerprints: dict[int, set[str]] = {}
-    for child in groups.values():
-        for r in committed_steps(child):
-            fingerprints.setdefault(r["step"], set()).add(r["fingerprint"])
-    split = {s: f for s, f in fingerprints.items() if len(f) > 1}
-    assert not split, f"steps committed with two states: {sorted(split)[:5]}"
+    assert_one_state_per_step(groups.values())
     for child in groups.values():
         child.signal(signal.SIGTERM)
     for child in groups.values():
