@@ -45,6 +45,17 @@ def start_rank(spawn: Callable[..., Child], lighthouse: str, replica_id: str, *o
     return start_transaction_rank(spawn, lighthouse, replica_id, *options, steps=STEPS, **kw)
 
 
+def start_three(
+    spawn: Callable[..., Child], lighthouse: str, *c_options: str, c_lighthouse: str = ""
+) -> tuple[Child, Child, Child]:
+    """Groups a and b, which train until the test ends, and c with `c_options`, which
+    reaches the lighthouse at `c_lighthouse` (a relay) where given."""
+    a = start_rank(spawn, lighthouse, "a", *TRAIN_ON)
+    b = start_rank(spawn, lighthouse, "b", *TRAIN_ON)
+    c = start_rank(spawn, c_lighthouse or lighthouse, "c", *c_options)
+    return a, b, c
+
+
 def finish(children: list[Child]) -> None:
     for child in children:
         child.expect(lambda line: line.get("event") == "done", 120, "training finishes")
@@ -62,20 +73,9 @@ def trains_with_all(child: Child, after: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["in_allreduce", "before_vote", "after_vote"])
 def test_a_group_paused_past_the_heartbeat_timeout_never_splits_a_step(spawn, lighthouse, phase):
-    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
-    c = start_rank(
-        spawn,
-        lighthouse.address,
-        "c",
-        "--pause-at",
-        str(PAUSE_AT),
-        "--pause-phase",
-        phase,
-        *WITH_ALL_THREE,
-        # However late the three first train as one, c is there to pause.
-        *TRAIN_ON,
-    )
+    pause = ("--pause-at", str(PAUSE_AT), "--pause-phase", phase, *WITH_ALL_THREE)
+    # However late the three first train as one, c is there to pause.
+    a, b, c = start_three(spawn, lighthouse.address, *pause, *TRAIN_ON)
     at = c.expect(lambda line: line.get("event") == "pausing", 60, "c stops itself")["step"]
     c.stopped = True
     paused_at = time.time()
@@ -169,18 +169,8 @@ def test_a_group_whose_heartbeat_stream_breaks_mid_step_never_splits_it(spawn, l
     # of its 30 s budget) outlasts the hold however loaded the machine, since a group
     # held outside the quorum for its stall timeout is rightly evicted as hung.
     relay = proxy(lighthouse.address)
-    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
-    c = start_rank(
-        spawn,
-        relay.address,
-        "c",
-        "--hold-at",
-        str(PAUSE_AT),
-        *WITH_ALL_THREE,
-        *TRAIN_ON,
-        *SLOW_NOT_HUNG,
-    )
+    hold = ("--hold-at", str(PAUSE_AT), *WITH_ALL_THREE, *TRAIN_ON, *SLOW_NOT_HUNG)
+    a, b, c = start_three(spawn, lighthouse.address, *hold, c_lighthouse=relay.address)
     at = c.expect(lambda line: line.get("event") == "holding", 60, "c holds its step")["step"]
     assert relay.cut() >= 1
     cut_at = time.time()
@@ -204,9 +194,8 @@ def test_a_peer_killed_mid_all_reduce_is_named_in_the_survivors_failure(spawn, l
     # c holds its training thread before its part of the all-reduce, so a and b wait in
     # it for c; then c is SIGKILLed. Their connections to c break a moment before the
     # lighthouse names the dead group: the failure must say "c died", not gloo's text.
-    a = start_rank(spawn, lighthouse.address, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse.address, "b", *TRAIN_ON)
-    c = start_rank(spawn, lighthouse.address, "c", "--hold-at", str(PAUSE_AT), *WITH_ALL_THREE)
+    hold = ("--hold-at", str(PAUSE_AT), *WITH_ALL_THREE)
+    a, b, c = start_three(spawn, lighthouse.address, *hold)
     at = c.expect(lambda line: line.get("event") == "holding", 60, "c holds its step")["step"]
     c.signal(signal.SIGKILL)
     for survivor in (a, b):
