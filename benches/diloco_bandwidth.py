@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import free_port, mlp_and_batches, report, stop, wait_for_http
+from harness import Link, capped_links, free_port, mlp_and_batches, report, stop, wait_for_http
 
 WORKER = Path(__file__).resolve()
 MODES = ("ddp", "diloco", "diloco-int8")
@@ -82,21 +82,17 @@ def run_worker(args: argparse.Namespace) -> None:
     manager.shutdown()
 
 
-def measure(mode: str, args: argparse.Namespace, lighthouse: str, link=None) -> dict:
+def measure(mode: str, args: argparse.Namespace, lighthouse: str, link: Link | None = None) -> dict:
     """Runs the 2 groups of `mode`; returns the slower group's result."""
     procs = []
     for name in ("a", "b"):
         prefix: list[str] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if link is not None:
-            side = link["a"] if name == "a" else link["b"]
-            env.update(
-                MASTER_ADDR=side["ip"],
-                PHALANX_ADVERTISE_HOST=side["ip"],
-                GLOO_SOCKET_IFNAME=side["dev"],
-            )
+            ip, dev = (link.here_ip, link.here) if name == "a" else (link.there_ip, link.there)
+            env.update(MASTER_ADDR=ip, PHALANX_ADVERTISE_HOST=ip, GLOO_SOCKET_IFNAME=dev)
             if name == "b":
-                prefix = ["ip", "netns", "exec", link["namespace"]]
+                prefix = ["ip", "netns", "exec", link.namespace]
         argv = [sys.executable, str(WORKER), "--worker", mode, "--replica-id", name]
         argv += ["--lighthouse", lighthouse, "--steps", str(args.steps)]
         argv += ["--sync-every", str(args.sync_every), "--width", str(args.width)]
@@ -140,48 +136,6 @@ def lighthouse_at(host: str):
         stop(proc)
 
 
-def _run(cmd: str) -> None:
-    done = subprocess.run(cmd.split(), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise OSError(f"'{cmd}' failed: {done.stderr.strip() or done.returncode}")
-
-
-@contextmanager
-def capped_link(mbit: float):
-    """A network namespace joined to this one by a veth pair capped at `mbit` in both
-    directions (tc tbf on each end). Yields {"namespace", "a": {ip, dev}, "b": {...}}."""
-    tag = f"phd{os.getpid() % 100000}"
-    ns, here, there = f"{tag}n", f"{tag}a", f"{tag}b"
-    subnet = f"10.{210 + os.getpid() % 40}.{os.getpid() % 250}"
-    made: list[tuple[str, str]] = []
-    try:
-        _run(f"ip netns add {ns}")
-        made.append(("netns", ns))
-        _run(f"ip link add {here} type veth peer name {there}")
-        made.append(("link", here))
-        for cmd in (
-            f"ip link set {there} netns {ns}",
-            f"ip addr add {subnet}.1/24 dev {here}",
-            f"ip link set {here} up",
-            f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",
-            f"ip netns exec {ns} ip link set {there} up",
-            f"ip netns exec {ns} ip link set lo up",
-            f"tc qdisc add dev {here} root tbf rate {mbit}mbit burst 64kb latency 400ms",
-            f"ip netns exec {ns} tc qdisc add dev {there} root tbf rate {mbit}mbit burst 64kb"
-            " latency 400ms",
-        ):
-            _run(cmd)
-        yield {
-            "namespace": ns,
-            "a": {"ip": f"{subnet}.1", "dev": here},
-            "b": {"ip": f"{subnet}.2", "dev": there},
-        }
-    finally:
-        for kind, name in reversed(made):
-            args = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
-            subprocess.run(args, capture_output=True)
-
-
 def link_bytes(dev: str) -> int:
     """Bytes sent plus received on `dev` so far (both directions of the link)."""
     stats = Path("/sys/class/net") / dev / "statistics"
@@ -193,12 +147,18 @@ def on_slow_link(args: argparse.Namespace) -> tuple[dict | None, str]:
     if not args.link_mbit:
         return None, "skipped (--link-mbit 0)"
     try:
-        with capped_link(args.link_mbit) as link, lighthouse_at(link["a"]["ip"]) as lighthouse:
+        # Group b in a namespace of its own, on a link capped both ways.
+        subnet = f"10.{210 + os.getpid() % 40}.{os.getpid() % 250}"
+        tbf = f"rate {args.link_mbit}mbit burst 64kb latency 400ms"
+        with (
+            capped_links(f"phd{os.getpid() % 100000}", [subnet], tbf, cap_here=True) as [link],
+            lighthouse_at(link.here_ip) as lighthouse,
+        ):
             out = {}
             for mode in MODES:
-                before = link_bytes(link["a"]["dev"])
+                before = link_bytes(link.here)
                 result = measure(mode, args, lighthouse, link)
-                result["wire_bytes"] = link_bytes(link["a"]["dev"]) - before
+                result["wire_bytes"] = link_bytes(link.here) - before
                 out[mode] = result
             return out, ""
     except OSError as e:

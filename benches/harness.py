@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -91,6 +92,64 @@ def stop(proc: subprocess.Popen, grace: float = 3.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(grace)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network namespace joined to this one by a veth pair: `here` is this end's
+    device, `there` the namespace's."""
+
+    namespace: str
+    here: str
+    there: str
+    here_ip: str
+    there_ip: str
+
+
+class NoLink(OSError):
+    """A capped link could not be set up: it needs root, where network namespaces are
+    allowed."""
+
+
+def _ip(cmd: str) -> None:
+    done = subprocess.run(cmd.split(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NoLink(f"'{cmd}' failed: {done.stderr.strip() or done.returncode}")
+
+
+@contextmanager
+def capped_links(
+    tag: str, subnets: Sequence[str], tbf: str, cap_here: bool = False
+) -> Iterator[list[Link]]:
+    """A network namespace per subnet ("10.x.y"), each joined to this one by a veth pair
+    whose namespace end sends through `tc qdisc … tbf {tbf}` (and this end too where
+    `cap_here`); all removed on the way out. Raises NoLink naming the command that
+    failed."""
+    undo: list[list[str]] = []
+    try:
+        links = []
+        for i, subnet in enumerate(subnets):
+            ns, here, there = f"{tag}n{i}", f"{tag}a{i}", f"{tag}b{i}"
+            _ip(f"ip netns add {ns}")
+            undo.append(["ip", "netns", "del", ns])
+            _ip(f"ip link add {here} type veth peer name {there}")
+            undo.append(["ip", "link", "del", here])
+            for cmd in (
+                f"ip link set {there} netns {ns}",
+                f"ip addr add {subnet}.1/24 dev {here}",
+                f"ip link set {here} up",
+                f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",
+                f"ip netns exec {ns} ip link set {there} up",
+                f"ip netns exec {ns} ip link set lo up",
+                f"ip netns exec {ns} tc qdisc add dev {there} root tbf {tbf}",
+                *([f"tc qdisc add dev {here} root tbf {tbf}"] if cap_here else []),
+            ):
+                _ip(cmd)
+            links.append(Link(ns, here, there, f"{subnet}.1", f"{subnet}.2"))
+        yield links
+    finally:
+        for argv in reversed(undo):
+            subprocess.run(argv, capture_output=True)
 
 
 def metric(address: str, name: str) -> float:

@@ -40,7 +40,7 @@ import torch
 from phalanx._core import _testing
 from phalanx.recovery import StateHost, heal
 
-from harness import report
+from harness import Link, NoLink, capped_links, report
 
 QUORUM_ID = 1
 STEP = 100
@@ -160,16 +160,16 @@ def spawn(role: str, args: argparse.Namespace, *extra: str, prefix=()) -> subpro
 
 
 @contextmanager
-def serving(args: argparse.Namespace, count: int, links: list[tuple[str, str]] | None = None):
+def serving(args: argparse.Namespace, count: int, links: list[Link] | None = None):
     """Starts `count` source processes (each in its own network namespace behind a
     capped link when `links` is given); yields (addresses, digest); stops them."""
     sources = []
     try:
         for i in range(count):
             if links:
-                namespace, ip = links[i]
-                prefix = ("ip", "netns", "exec", namespace)
-                sources.append(spawn("source", args, "--bind", f"{ip}:0", prefix=prefix))
+                prefix = ("ip", "netns", "exec", links[i].namespace)
+                bind = f"{links[i].there_ip}:0"
+                sources.append(spawn("source", args, "--bind", bind, prefix=prefix))
             else:
                 sources.append(spawn("source", args))
         served = [json.loads(p.stdout.readline()) for p in sources]
@@ -271,54 +271,23 @@ def drive(args: argparse.Namespace) -> None:
     )
 
 
-@contextmanager
-def capped_links(count: int, mbit: float):
-    """`count` network namespaces, each joined to this one by a veth pair whose
-    namespace end sends at most `mbit` Mbit/s (tc tbf): one link per source, as if each
-    source sat on its own network port. Yields [(namespace, source ip)]; removes all."""
-    tag = f"phx{os.getpid() % 100000}"
-    made = []
-    try:
-        for i in range(count):
-            ns, here, there = f"{tag}n{i}", f"{tag}a{i}", f"{tag}b{i}"
-            subnet = f"10.{200 + i}.{os.getpid() % 250}"
-            made.append(ns)
-            for cmd in (
-                f"ip netns add {ns}",
-                f"ip link add {here} type veth peer name {there}",
-                f"ip link set {there} netns {ns}",
-                f"ip addr add {subnet}.1/24 dev {here}",
-                f"ip link set {here} up",
-                f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",
-                f"ip netns exec {ns} ip link set {there} up",
-                f"ip netns exec {ns} ip link set lo up",
-                f"ip netns exec {ns} tc qdisc add dev {there} root tbf rate {mbit}mbit"
-                " burst 1mb latency 50ms",
-            ):
-                done = subprocess.run(cmd.split(), capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise SystemExit(
-                        f"cannot set up capped links: '{cmd}' failed ({done.stderr.strip()});"
-                        " run as root where network namespaces are allowed"
-                    )
-            made.append(here)
-        yield [(f"{tag}n{i}", f"10.{200 + i}.{os.getpid() % 250}.2") for i in range(count)]
-    finally:
-        for name in reversed(made):
-            if name.startswith(f"{tag}n"):
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            else:
-                subprocess.run(["ip", "link", "del", name], capture_output=True)
-
-
 def drive_links(args: argparse.Namespace) -> None:
     """K sources behind K capped links against one source behind one: the heal should
     add up the links (target: at least 0.8 K times one source)."""
-    with (
-        capped_links(args.sources, args.link_mbit) as links,
-        serving(args, args.sources, links) as (addresses, digest),
-    ):
-        by_count = {k: heal_runs(args, addresses[:k], digest) for k in sorted({1, args.sources})}
+    # A link per source, as if each sat on its own network port; its sending end capped.
+    subnets = [f"10.{200 + i}.{os.getpid() % 250}" for i in range(args.sources)]
+    tbf = f"rate {args.link_mbit}mbit burst 1mb latency 50ms"
+    try:
+        with (
+            capped_links(f"phx{os.getpid() % 100000}", subnets, tbf) as links,
+            serving(args, args.sources, links) as (addresses, digest),
+        ):
+            counts = sorted({1, args.sources})
+            by_count = {k: heal_runs(args, addresses[:k], digest) for k in counts}
+    except NoLink as e:
+        raise SystemExit(
+            f"cannot set up capped links: {e}; run as root where network namespaces are allowed"
+        ) from None
     nbytes = by_count[1][0]["bytes"]
     gbps = {k: nbytes / min(r["seconds"] for r in runs) / 1e9 for k, runs in by_count.items()}
     speedup = gbps[args.sources] / gbps[1]
