@@ -48,6 +48,10 @@ class Member:
     @property
     def unreachable(self) -> list[str]:
         """Members of the group's last quorum it could not reach (see `phalanx.peers`)."""
+    @property
+    def resumed(self) -> bool:
+        """The state was read from storage (a snapshot): a quorum whose newest state
+        this is starts a new lineage."""
 
 class StateIdentity:
     """Which state a group holds; of two, the one of the later lineage, then the later
@@ -402,6 +406,7 @@ class ManagerClient:
         healed_bytes: int = 0,
         lineage: int = 0,
         unreachable: list[str] = ...,
+        resumed: bool = False,
     ) -> QuorumResult:
         """Asks for the quorum of `step` (the state committed in quorum
         `state_quorum_id`, of `lineage`; `torn` after a failed heal); every rank of the
@@ -409,7 +414,8 @@ class ManagerClient:
         refusals so far (`StateServer.refused_requests`), and `healed_bytes`: the bytes
         it fetched in heals so far, both of which the group reports to the lighthouse.
         `unreachable`: the groups of the last quorum this rank could not reach (see
-        `phalanx.peers`); the lighthouse leaves one of each such pair out."""
+        `phalanx.peers`); the lighthouse leaves one of each such pair out. `resumed`:
+        the state was read from storage (see `Member.resumed`)."""
     def start_quorum(
         self,
         group_rank: int,
@@ -423,6 +429,7 @@ class ManagerClient:
         healed_bytes: int = 0,
         lineage: int = 0,
         unreachable: list[str] = ...,
+        resumed: bool = False,
     ) -> PendingQuorum:
         """`quorum()` in the background: returns at once; the quorum comes from
         `result()`. Ask before the forward pass, take it after.

@@ -40,6 +40,10 @@ class HeldState:
     lineage: int = 0
     #: The identity before this step's heal, restored if the group's heal failed.
     before_heal: tuple[int, int, int] | None = None
+    #: The state was read from storage (a snapshot, a checkpoint), not kept live: steps
+    #: after it may have been committed, so the quorum that goes on from it starts a
+    #: new lineage. Cleared once a quorum takes it as the job's state.
+    from_storage: bool = False
 
     def resumed(self, step: int) -> None:
         """A state loaded from a checkpoint of `step`: no quorum committed it in this
@@ -47,6 +51,7 @@ class HeldState:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"a checkpoint's step is a count of steps, not {step!r}")
         self.step, self.state_quorum_id, self.torn = step, 0, False
+        self.from_storage = True
 
     def restored(self, step: int, state_quorum_id: int, lineage: int) -> None:
         """The state of a snapshot: committed in this job as `step` of quorum
@@ -58,6 +63,7 @@ class HeldState:
             lineage,
             False,
         )
+        self.from_storage = True
 
     def new_step(self) -> None:
         self.before_heal = None
@@ -72,7 +78,7 @@ class HeldState:
 
     def healed(self, step: int, state_quorum_id: int, lineage: int) -> None:
         self.step, self.state_quorum_id, self.torn = step, state_quorum_id, False
-        self.lineage = lineage
+        self.lineage, self.from_storage = lineage, False
 
     def tear(self) -> bool:
         """The group's heal failed on some rank: this rank's state is torn, back at
@@ -86,9 +92,9 @@ class HeldState:
 
     def committed(self, quorum_id: int, lineage: int) -> None:
         self.step += 1
-        self.state_quorum_id, self.lineage = quorum_id, lineage
+        self.state_quorum_id, self.lineage, self.from_storage = quorum_id, lineage, False
 
     def goes_on_as(self, lineage: int) -> None:
         """This state is the job's in a quorum of `lineage`: the start of a new
-        lineage, when the job went back to it."""
-        self.lineage = lineage
+        lineage, when the job went back to it (or resumed from storage)."""
+        self.lineage, self.from_storage = lineage, False

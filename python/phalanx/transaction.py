@@ -135,6 +135,7 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
         rank.healed_bytes,
         held.lineage,
         rank.peers.unreachable(),
+        held.from_storage,
     )
     step = Step(held.step, asked, None if previous is None else previous.known_quorum)
     step.record.snapshot_s = snapshot_s
@@ -204,10 +205,23 @@ def take_quorum(rank: Rank, step: Step) -> None:
 
 
 def announce_rollback(rank: Rank, quorum: _core.QuorumResult) -> None:
-    """The job goes back: no group holding its newest state could come back."""
+    """The job goes back: no group holding its newest state could come back; or it goes
+    on from a state read from storage, which steps may have followed."""
     lost = quorum.rolled_back_from
     assert lost is not None
     step = quorum.max_step
+    if (lost.step, lost.state_quorum_id) == (step, quorum.max_state_quorum_id):
+        # What is given up is the very state read from storage: no newer one is known.
+        log.warning(
+            "RESUMED: replica group %r goes on from step %d, a state read from storage, "
+            "as lineage %d (quorum %d); steps the job committed after it before every "
+            "group was lost, if any, are redone as new states",
+            rank.settings.replica_id,
+            step,
+            quorum.lineage,
+            quorum.quorum_id,
+        )
+        return
     log.error(
         "ROLLBACK: replica group %r goes on from step %d as lineage %d (quorum %d); the "
         "job's newest state, step %d of lineage %d, is held by no group that can come "

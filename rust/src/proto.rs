@@ -50,6 +50,7 @@ convert_both_ways!(
         torn,
         lineage,
         unreachable,
+        resumed,
     }
 );
 

@@ -27,7 +27,11 @@
 //!   newest committed state waits while a group holding that state may come back (the
 //!   lighthouse says until when, see [`Newest`]); after that it starts a new lineage
 //!   from the best state its members hold, numbered by its own quorum id, so that no
-//!   step number of a lineage ever names two states.
+//!   step number of a lineage ever names two states;
+//! - a state restored from a snapshot is a new lineage's start when no live group holds
+//!   one as new: the job may have committed steps after it that no group reported
+//!   before every group was lost (a commit reaches the lighthouse only with the next
+//!   request), and a step redone must not be taken for the one lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -81,6 +85,8 @@ pub struct Member {
     pub lineage: u64,
     /// Groups this one could not reach in its last quorum (see `connected`).
     pub unreachable: Vec<ReplicaId>,
+    /// The state was restored from a snapshot (see `decide`).
+    pub resumed: bool,
 }
 
 impl Member {
@@ -422,6 +428,13 @@ pub fn decide(round: &Round<'_>) -> Decision {
         .filter(|m| !m.torn)
         .map(Member::identity)
         .max();
+    // Only restored states are the best: the steps after them may have been committed.
+    let restored = best.filter(|b| {
+        members
+            .iter()
+            .filter(|m| !m.torn && m.identity() == *b)
+            .all(|m| m.resumed)
+    });
     let rolled_back_from = match newest {
         Some(newest) if best < Some(newest.state) => {
             if let Some(until) = newest.may_return_until.filter(|until| now < *until) {
@@ -435,7 +448,8 @@ pub fn decide(round: &Round<'_>) -> Decision {
             }
             Some(newest.state)
         }
-        _ => None,
+        // What is given up is unknown, at least the restored state itself.
+        _ => restored.map(|start| newest.map_or(start, |n| n.state.max(start))),
     };
     // The newest state names quorums the job has used too.
     let heard = newest.map_or(highest_seen_id, |n| {
@@ -954,6 +968,45 @@ mod tests {
             q.members[1].lineage, 4,
             "a behind member keeps its own, and heals"
         );
+    }
+
+    fn restored(id: &str, state: Identity) -> Member {
+        Member {
+            resumed: true,
+            ..holding(id, state)
+        }
+    }
+
+    #[test]
+    fn a_state_restored_from_a_snapshot_starts_a_new_lineage_even_as_the_newest_known() {
+        // Every group was lost right after committing step 41, which no request had
+        // reported yet: the lighthouse knows step 40, the state of the snapshot.
+        let mut s = Scene::new(&["a", "b"]);
+        s.newest = Some(Newest {
+            state: at(0, 40, 3),
+            may_return_until: None,
+        });
+        s.join_member(restored("a", at(0, 40, 3)), 0);
+        s.join_member(holding("b", at(0, 0, 0)), 0);
+        let q = s.issue_at(0);
+        assert_eq!(q.lineage, q.id, "step 41 redone is a new lineage's");
+        assert_eq!(q.rolled_back_from, Some(at(0, 40, 3)));
+        assert_eq!(q.members[0].identity(), at(q.id, 40, 3));
+        assert_eq!(q.members[1].lineage, 0, "the fresh group heals to it");
+        // With no lighthouse memory at all (a restarted one), the same.
+        let mut fresh = Scene::new(&["a"]);
+        fresh.join_member(restored("a", at(0, 40, 3)), 0);
+        let q = fresh.issue_at(10_000);
+        assert_eq!((q.lineage, q.rolled_back_from), (q.id, Some(at(0, 40, 3))));
+    }
+
+    #[test]
+    fn a_live_group_as_new_as_a_restored_state_keeps_its_lineage() {
+        let mut s = Scene::new(&["a", "b"]);
+        s.join_member(restored("a", at(0, 40, 3)), 0);
+        s.join_member(holding("b", at(0, 40, 3)), 0);
+        let q = s.issue_at(0);
+        assert_eq!((q.lineage, q.rolled_back_from), (0, None));
     }
 
     #[test]

@@ -32,6 +32,8 @@ pub struct RankRequest {
     pub torn: bool,
     /// The groups this rank could not reach.
     pub unreachable: Vec<String>,
+    /// This rank's state was restored from a snapshot.
+    pub resumed: bool,
     pub reply: Reply<proto::ManagerQuorumResponse>,
 }
 
@@ -270,6 +272,7 @@ impl GroupState {
             state_quorum_id: ranks.clone().map(|r| r.state_quorum_id).max().unwrap_or(0),
             lineage: ranks.clone().map(|r| r.lineage).max().unwrap_or(0),
             torn: gathering.torn(),
+            resumed: ranks.clone().any(|r| r.resumed),
             unreachable: ranks
                 .flat_map(|r| r.unreachable.iter().cloned())
                 .collect::<std::collections::BTreeSet<_>>()
@@ -420,6 +423,7 @@ mod tests {
             lineage: 0,
             torn: false,
             unreachable: Vec::new(),
+            resumed: false,
             reply,
         };
         (request, answer)

@@ -350,6 +350,7 @@ impl Manager for ManagerService {
             lineage: req.lineage,
             torn: req.torn,
             unreachable: req.unreachable,
+            resumed: req.resumed,
             reply,
         };
         let complete = shared.lock().ask(req.group_rank, req.step, request)?;

@@ -180,7 +180,7 @@ impl ManagerClient {
 
     /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
     /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new()))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new(), resumed = false))]
     #[allow(clippy::too_many_arguments)]
     fn quorum(
         &self,
@@ -196,6 +196,7 @@ impl ManagerClient {
         healed_bytes: u64,
         lineage: u64,
         unreachable: Vec<String>,
+        resumed: bool,
     ) -> PyResult<QuorumResult> {
         self.start_quorum(
             group_rank,
@@ -209,13 +210,14 @@ impl ManagerClient {
             healed_bytes,
             lineage,
             unreachable,
+            resumed,
         )?
         .result(py)
     }
 
     /// `quorum()` in the background: returns at once, and `result()` of what it
     /// returns waits for the quorum. Ask before the forward pass, take it after.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new()))]
+    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new(), resumed = false))]
     #[allow(clippy::too_many_arguments)]
     fn start_quorum(
         &self,
@@ -230,6 +232,7 @@ impl ManagerClient {
         healed_bytes: u64,
         lineage: u64,
         unreachable: Vec<String>,
+        resumed: bool,
     ) -> PyResult<PendingQuorum> {
         let timeout = seconds("timeout", timeout)?;
         let request = proto::ManagerQuorumRequest {
@@ -247,6 +250,7 @@ impl ManagerClient {
             healed_bytes,
             lineage,
             unreachable,
+            resumed,
             ..Default::default()
         };
         let client = self.inner.clone();
