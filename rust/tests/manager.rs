@@ -63,6 +63,15 @@ async fn start_manager(
     .expect("manager server starts")
 }
 
+/// Group "g" of `world_size` ranks alone under a lighthouse of its own: the lighthouse,
+/// the group's manager server and a rank's client of it.
+async fn one_group(world_size: u32) -> (ServerHandle, ManagerHandle, ManagerClient) {
+    let lighthouse = start_lighthouse(1).await;
+    let group = start_manager("g", &lighthouse.local_addr().to_string(), world_size).await;
+    let client = rank_client(&group);
+    (lighthouse, group, client)
+}
+
 fn rank_client(manager: &ManagerHandle) -> ManagerClient {
     ManagerClient::new(
         &manager.address,
@@ -124,6 +133,25 @@ fn vote(
     })
 }
 
+/// Both ranks of a group of two vote on `step` at once (`votes[r]` is rank r's); the
+/// decision each is told.
+async fn both_vote(
+    client: &ManagerClient,
+    step: i64,
+    votes: [bool; 2],
+    timeout: Duration,
+) -> [bool; 2] {
+    let tasks = [
+        vote(client, 0, step, votes[0], timeout),
+        vote(client, 1, step, votes[1], timeout),
+    ];
+    let mut decisions = [false; 2];
+    for (decision, task) in decisions.iter_mut().zip(tasks) {
+        *decision = answer("a vote", task).await.expect("vote");
+    }
+    decisions
+}
+
 async fn bounded<T>(what: &str, limit: Duration, fut: impl Future<Output = T>) -> T {
     tokio::time::timeout(limit, fut)
         .await
@@ -153,9 +181,7 @@ fn rpc_status(result: Result<impl std::fmt::Debug, Error>) -> tonic::Status {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_ranks_of_a_group_get_their_plan_from_one_quorum() {
-    let lighthouse = start_lighthouse(1).await;
-    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
-    let c = rank_client(&group);
+    let (_lighthouse, group, c) = one_group(2).await;
 
     let r0 = ask(&c, "g", 0, 4);
     let r1 = ask(&c, "g", 1, 4);
@@ -191,9 +217,7 @@ async fn both_ranks_of_a_group_get_their_plan_from_one_quorum() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranks_that_disagree_on_the_step_are_all_refused_with_both_steps_named() {
-    let lighthouse = start_lighthouse(1).await;
-    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
-    let c = rank_client(&group);
+    let (_lighthouse, group, c) = one_group(2).await;
 
     let early = ask(&c, "g", 0, 5);
     // Rank 0's request arrives first, so it is the one waiting when rank 1 disagrees.
@@ -223,32 +247,22 @@ async fn ranks_that_disagree_on_the_step_are_all_refused_with_both_steps_named()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_group_commits_only_when_every_rank_votes_yes() {
-    let lighthouse = start_lighthouse(1).await;
-    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
-    let c = rank_client(&group);
+    let (_lighthouse, _group, c) = one_group(2).await;
     let timeout = Duration::from_secs(2);
     for rank in [ask(&c, "g", 0, 1), ask(&c, "g", 1, 1)] {
         answer("quorum", rank).await.expect("plan");
     }
 
-    let yes = [vote(&c, 0, 1, true, timeout), vote(&c, 1, 1, true, timeout)];
-    for task in yes {
-        assert!(
-            answer("both yes", task).await.expect("vote"),
-            "all yes commits"
-        );
-    }
-
-    let split = [
-        vote(&c, 0, 2, true, timeout),
-        vote(&c, 1, 2, false, timeout),
-    ];
-    for task in split {
-        assert!(
-            !answer("one no", task).await.expect("vote"),
-            "one no aborts for every rank"
-        );
-    }
+    assert_eq!(
+        both_vote(&c, 1, [true, true], timeout).await,
+        [true, true],
+        "all yes commits"
+    );
+    assert_eq!(
+        both_vote(&c, 2, [true, false], timeout).await,
+        [false, false],
+        "one no aborts for every rank"
+    );
 
     // Rank 1 never votes on step 3: rank 0 gets "no" at its timeout instead of hanging.
     let short = Duration::from_millis(200);
@@ -501,36 +515,27 @@ async fn a_manager_reattaches_to_a_restarted_lighthouse_and_quorum_ids_keep_risi
 /// answer the retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_retried_after_an_aborted_commit_can_commit() {
-    let lighthouse = start_lighthouse(1).await;
-    let group = start_manager("g", &lighthouse.local_addr().to_string(), 2).await;
-    let c = rank_client(&group);
+    let (_lighthouse, _group, c) = one_group(2).await;
     let timeout = Duration::from_secs(1);
 
-    let attempt = [
-        vote(&c, 0, 7, true, timeout),
-        vote(&c, 1, 7, false, timeout),
-    ];
-    for task in attempt {
-        assert!(!answer("first attempt", task).await.expect("vote"));
-    }
+    assert_eq!(
+        both_vote(&c, 7, [true, false], timeout).await,
+        [false, false]
+    );
     // The retry goes through a new quorum, as every step does.
     let (r0, r1) = (ask(&c, "g", 0, 7), ask(&c, "g", 1, 7));
     answer("rank 0", r0).await.expect("plan");
     answer("rank 1", r1).await.expect("plan");
-    let retry = [vote(&c, 0, 7, true, timeout), vote(&c, 1, 7, true, timeout)];
-    for task in retry {
-        assert!(
-            answer("retry", task).await.expect("vote"),
-            "every rank voted yes on the retry"
-        );
-    }
+    assert_eq!(
+        both_vote(&c, 7, [true, true], timeout).await,
+        [true, true],
+        "every rank voted yes on the retry"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_that_lost_its_lease_does_not_commit_though_every_rank_votes_yes() {
-    let lighthouse = start_lighthouse(1).await;
-    let group = start_manager("g", &lighthouse.local_addr().to_string(), 1).await;
-    let c = rank_client(&group);
+    let (lighthouse, _group, c) = one_group(1).await;
     answer("quorum", ask(&c, "g", 0, 0)).await.expect("plan");
     assert!(answer("vote", vote(&c, 0, 0, true, CALL_TIMEOUT))
         .await
