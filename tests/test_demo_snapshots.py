@@ -51,7 +51,12 @@ def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
 
     # Losses at 8 s and 16 s of training (none in the last 4 s).
     assert report["job_losses_injected"] == report["job_losses_recovered"] == 2, report
-    rollbacks = re.findall(r"ROLLBACK: .* goes on from step (\d+) as lineage (\d+)", ranks_log)
+    # ROLLBACK when the lighthouse knew of newer steps; RESUMED when it knew of none.
+    rollbacks = re.findall(
+        r"(?:ROLLBACK|RESUMED): .* goes on from step (\d+),? (?:a state read from storage, )?"
+        r"as lineage (\d+)",
+        ranks_log,
+    )
     resumed = {int(s) for s in re.findall(r"resumed from snapshot \S+: step (\d+)", ranks_log)}
     for loss in report["job_losses"]:
         assert loss["groups_killed"] == ["group0", "group1"]
@@ -66,12 +71,14 @@ def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
         assert (first, last) == (loss["resumed_from_step"], loss["newest_step"])
         assert loss["steps_lost"] == last + 1 - first
         assert loss["redone_steps"] == [first, last], "every lost step was committed again"
-        # At most one interval, unless the next snapshot was still being written at
-        # the loss: then the job resumed from the newest one published.
-        assert loss["within_interval"] or (
-            loss["unpublished_snapshot_step"] == loss["resumed_from_step"] + every
-        ), loss
-    assert report["rollbacks"] and all(b["steps_lost"] > 0 for b in report["rollbacks"])
+        # At most one interval, plus the steps of the next snapshot's write if the loss
+        # came first (or if it was skipped, the last write still running): steps take
+        # milliseconds here and a write about 0.1 s, so that is up to one more interval.
+        assert loss["within_interval"] or loss["steps_lost"] <= 2 * every + 1, loss
+    # Every loss is a rollback of the step log; none lost anything the loss did not.
+    assert len(report["rollbacks"]) == 2, report["rollbacks"]
+    lost = sorted(loss["steps_lost"] for loss in report["job_losses"])
+    assert sorted(b["steps_lost"] for b in report["rollbacks"]) == lost
     # Step numbers redone in a new lineage are compared within it: no split.
     assert report["replicas_consistent"] is True and report["split_steps"] == []
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
