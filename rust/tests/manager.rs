@@ -8,7 +8,6 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
-use phalanx::gate::GateLimits;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::manager::client::ManagerClient;
 use phalanx::manager::{self, ManagerHandle, ManagerOptions};
@@ -46,18 +45,12 @@ async fn start_manager(
     world_size: u32,
 ) -> ManagerHandle {
     manager::serve(ManagerOptions {
-        replica_id: replica_id.into(),
-        lighthouse_address: lighthouse_address.into(),
-        bind: "127.0.0.1:0".into(),
-        also_bind: None,
-        advertise_host: None,
         store_address: format!("{replica_id}-store:29500"),
         world_size,
         heartbeat_interval: Duration::from_millis(50),
         connect_timeout: Duration::from_millis(500),
         init_sync: false,
-        token: JobToken::default(),
-        connections: GateLimits::RPC,
+        ..ManagerOptions::new(replica_id, lighthouse_address)
     })
     .await
     .expect("manager server starts")

@@ -123,18 +123,10 @@ async fn a_quorum_asked_during_a_cut_is_answered_over_a_fresh_connection_after_t
     .expect("lighthouse starts");
     let network = Network::to(lighthouse.local_addr()).await;
     let group = manager::serve(ManagerOptions {
-        replica_id: "a".into(),
-        lighthouse_address: network.address.to_string(),
-        bind: "127.0.0.1:0".into(),
-        also_bind: None,
-        advertise_host: None,
         store_address: "a-store:29500".into(),
-        world_size: 1,
         heartbeat_interval: Duration::from_millis(50),
-        connect_timeout: Duration::from_secs(5),
         init_sync: false,
-        token: JobToken::default(),
-        connections: GateLimits::RPC,
+        ..ManagerOptions::new("a", network.address.to_string())
     })
     .await
     .expect("manager server starts");

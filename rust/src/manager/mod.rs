@@ -77,6 +77,26 @@ impl ManagerOptions {
     /// Whether every group but the first heals from it at step 0 unless told otherwise.
     pub const DEFAULT_INIT_SYNC: bool = true;
 
+    /// The options of group `replica_id`'s server under the lighthouse at
+    /// `lighthouse_address`, every other one its default: one rank, on loopback at any
+    /// free port, serving its own store, without a token.
+    pub fn new(replica_id: impl Into<String>, lighthouse_address: impl Into<String>) -> Self {
+        ManagerOptions {
+            replica_id: replica_id.into(),
+            lighthouse_address: lighthouse_address.into(),
+            bind: "127.0.0.1:0".into(),
+            also_bind: None,
+            advertise_host: None,
+            store_address: String::new(),
+            world_size: 1,
+            heartbeat_interval: Self::DEFAULT_HEARTBEAT_INTERVAL,
+            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+            init_sync: Self::DEFAULT_INIT_SYNC,
+            token: JobToken::default(),
+            connections: GateLimits::RPC,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), Error> {
         let check = |r: Result<(), Status>| r.map_err(|s| Error::InvalidConfig(s.message().into()));
         check(validate::replica_id(&self.replica_id))?;
@@ -754,18 +774,10 @@ mod tests {
         let server = start_lighthouse().await;
         let (through, reset) = proxy(server.local_addr()).await;
         let handle = serve(ManagerOptions {
-            replica_id: "g".into(),
-            lighthouse_address: through,
-            bind: "127.0.0.1:0".into(),
-            also_bind: None,
-            advertise_host: None,
-            store_address: String::new(),
-            world_size: 1,
             heartbeat_interval: Duration::from_millis(50),
             connect_timeout: Duration::from_millis(500),
             init_sync: false,
-            token: JobToken::default(),
-            connections: GateLimits::RPC,
+            ..ManagerOptions::new("g", through)
         })
         .await
         .expect("manager server starts");

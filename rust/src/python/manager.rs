@@ -14,7 +14,7 @@ use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult};
 use super::{seconds, seconds_or_zero, stop, unsigned, Server};
 use crate::auth::JobToken;
-use crate::gate::{GateLimits, GroupRefusals};
+use crate::gate::GroupRefusals;
 use crate::manager::{self, client, ManagerOptions};
 use crate::proto;
 use crate::server::ServerHandle;
@@ -57,8 +57,6 @@ impl ManagerServer {
                 seconds("connect_timeout", s)
             })?;
         let options = ManagerOptions {
-            replica_id,
-            lighthouse_address,
             bind: bind.to_string(),
             also_bind,
             advertise_host,
@@ -68,7 +66,7 @@ impl ManagerServer {
             connect_timeout,
             init_sync,
             token: JobToken::new(token),
-            connections: GateLimits::RPC,
+            ..ManagerOptions::new(replica_id, lighthouse_address)
         };
         let handle = wait(py, manager::serve(options))?;
         let server = ManagerServer {
