@@ -1,0 +1,45 @@
+"""The benchmarks still run: each in its quick mode, as a child process, its report
+(the JSON object on its last line) checked for the figures docs/benchmarks.md quotes.
+What the numbers are is the benchmark's business, not the test's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import child_env
+
+BENCHES = Path(__file__).resolve().parent.parent / "benches"
+
+
+def run_quick(script: str, timeout: float) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(BENCHES / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=BENCHES,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_snapshot_cost_quick():
+    result = run_quick("snapshot_cost.py", timeout=100)
+    assert result["bench"] == "snapshot_cost"
+    small, large = result["sizes"]
+    for size in (small, large):
+        assert size["snapshots"] > 0
+        assert size["stall_ms"] > 0 and size["fresh_copy_ms"] > 0
+        assert "derived_overhead_per_minute" in size
+    # The resume was measured on the larger state, and loaded the snapshotted step's
+    # state (the benchmark exits non-zero otherwise).
+    assert "resume" not in small
+    assert large["resume"]["bytes"] > 0
+    for cache in ("warm", "cold"):
+        assert large["resume"][cache]["resume_s"] > 0
+        assert large["resume"][cache]["raw_read_s"] > 0
+    assert set(large["write_hold"]) == {"snapshot", "plain", "idle"}
