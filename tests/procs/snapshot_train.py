@@ -169,7 +169,10 @@ def hold_if_at(manager: phalanx.Manager, hold_at: int) -> None:
     if manager.current_step() == hold_at and manager.lineage == 0:
         line = {"event": "holding", "after": hold_at, "rank": manager.group_rank}
         emit(line)
-        threading.Event().wait()  # only a kill ends it
+        # A wait as the progress reporter knows one (as if on the other groups): the
+        # lighthouse must not evict the rank as stalled before the test kills it.
+        with manager._rank.progress.waiting("held by the test until it is killed", 600.0):
+            threading.Event().wait()
 
 
 def batch(step: int, replica: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
