@@ -79,6 +79,33 @@ def phalanx_run(
                 proc.kill()
 
 
+def run_demo(out: Path, *options: str, timeout: float = 110) -> subprocess.CompletedProcess:
+    """`python -m phalanx demo --out OUT *options` from the repository root, to its end;
+    its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx", "demo", "--out", str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=TESTS.parent,
+    )
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A file system of `size` (tmpfs) mounted at `where` for the block: a disk that
+    fills up. Needs root (CI runs as root); skips with that reason otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root); not run as root here")
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 def http_get(
     url: str, token: str | None = None, timeout: float = 5.0, accept: str | None = None
 ) -> tuple[int, str]:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from phalanx.demo.job import EXIT_DIVERGED, exit_status
 from phalanx.demo.report import analyze, chart, plot
 
-from conftest import TESTS, child_env, write_token_file
+from conftest import run_demo, small_tmpfs, write_token_file
 
 REPORT_FIELDS = {
     "wall_s",
@@ -58,15 +55,7 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     out = tmp_path / "demo"
     token = "demo-token-kept-out-of-the-report-folder"
     token_file = write_token_file(tmp_path / "job.token", token)
-    done = subprocess.run(
-        [sys.executable, "-m", "phalanx", "demo", "--duration", "30", "--kill-every", "10"]
-        + ["--out", str(out), "--token-file", str(token_file)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
+    done = run_demo(out, "--duration", "30", "--kill-every", "10", "--token-file", str(token_file))
     assert done.returncode == 0, done.stdout + done.stderr
     # The folder's files may be read by others: the token is in none of them.
     assert [f.name for f in out.iterdir() if token.encode() in f.read_bytes()] == []
@@ -100,14 +89,16 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
 @pytest.mark.slow
 def test_the_demo_trains_through_kills_of_its_serving_lighthouse(tmp_path):
     out = tmp_path / "demo"
-    done = subprocess.run(
-        [sys.executable, "-m", "phalanx", "demo", "--duration", "30", "--kill-every", "0"]
-        + ["--lighthouses", "3", "--kill-lighthouse-every", "10s", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=child_env(),
-        cwd=TESTS.parent,
+    done = run_demo(
+        out,
+        "--duration",
+        "30",
+        "--kill-every",
+        "0",
+        "--lighthouses",
+        "3",
+        "--kill-lighthouse-every",
+        "10s",
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("stopped the serving lighthouse") >= 2, done.stdout
@@ -127,15 +118,7 @@ def steps_of(out) -> list[dict]:
 def test_the_demo_refuses_a_token_file_others_can_read(tmp_path):
     token_file = write_token_file(tmp_path / "job.token", "s3cret", mode=0o644)
 
-    done = subprocess.run(
-        [sys.executable, "-m", "phalanx", "demo", "--token-file", str(token_file)]
-        + ["--out", str(tmp_path / "demo")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
+    done = run_demo(tmp_path / "demo", "--token-file", str(token_file), timeout=60)
 
     assert done.returncode == 2
     assert f"chmod 600 {token_file}" in done.stderr
@@ -389,28 +372,13 @@ def test_a_run_that_never_committed_has_a_report_and_a_chart(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 24 kB file system: the demo's logs fill it within seconds."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mount)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "tiny", "24k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.slow
 def test_a_full_disk_costs_the_demo_its_files_not_its_training(tiny_disk):
-    done = subprocess.run(
-        [sys.executable, "-m", "phalanx", "demo", "--duration", "20", "--kill-every", "0"]
-        + ["--replicas", "2", "--out", str(tiny_disk)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
+    done = run_demo(tiny_disk, "--duration", "20", "--kill-every", "0", "--replicas", "2")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]

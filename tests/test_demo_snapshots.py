@@ -5,11 +5,9 @@ files on a full disk."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,27 +17,16 @@ from phalanx.launcher.chaos import Chaos, Injector
 from phalanx.launcher.group import Group
 from phalanx.launcher.observer import LaunchObserver
 
-from conftest import TESTS, child_env
+from conftest import run_demo, small_tmpfs
 
 #: A model that trains in milliseconds a step: many snapshots, many steps lost to count.
 TINY_MODEL = ["--", "--dim", "32", "--layers", "1", "--seq-len", "32", "--batch-size", "4"]
 
 
-def demo(out: Path, *options: str, timeout: float = 110) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "phalanx", "demo", "--out", str(out), *options],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-        cwd=TESTS.parent,
-    )
-
-
 @pytest.mark.slow
 def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
     out, every = tmp_path / "demo", 20
-    done = demo(
+    done = run_demo(
         out,
         *("--duration", "22", "--replicas", "2", "--kill-every", "0"),
         *("--snapshot-every", str(every), "--kill-all-every", "8s"),
@@ -99,7 +86,7 @@ def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
 
 
 def test_kill_all_every_without_snapshots_is_refused(tmp_path):
-    done = demo(tmp_path / "demo", "--kill-all-every", "60s", timeout=60)
+    done = run_demo(tmp_path / "demo", "--kill-all-every", "60s", timeout=60)
     assert done.returncode == 2
     assert "--kill-all-every loses every group's state at once: add --snapshot-every" in (
         done.stderr
@@ -247,15 +234,8 @@ def test_a_loss_past_the_interval_is_flagged_with_the_snapshot_it_missed():
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 kB file system (tmpfs), unmounted at the end."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root); not run as root here")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "16k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_log_given_up_on_a_full_disk_ends_on_its_last_whole_line(small_disk):

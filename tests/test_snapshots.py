@@ -5,14 +5,9 @@ job whose every group was lost (with and without its lighthouse)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
-import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +29,7 @@ from phalanx.snapshots.catalog import newest_first
 from phalanx.snapshots.writer import SnapshotWriter
 from phalanx.store import Store
 
+from conftest import small_tmpfs
 from state_process import tensor_bytes
 
 TOKEN = "t0k3n"
@@ -217,20 +213,8 @@ def test_a_failing_store_warns_once_keeps_the_previous_snapshot_and_never_raises
     writer.take({"bad": {"x": object()}}, 40, 1, 0)
 
 
-@contextlib.contextmanager
-def small_tmpfs(size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    with tempfile.TemporaryDirectory() as where:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], check=True)
-        try:
-            yield Path(where)
-        finally:
-            subprocess.run(["umount", "-l", where], check=True)
-
-
-def test_a_full_disk_keeps_the_previous_snapshot_whole(caplog):
-    with small_tmpfs("3m") as root:
+def test_a_full_disk_keeps_the_previous_snapshot_whole(tmp_path, caplog):
+    with small_tmpfs(tmp_path / "disk", "3m") as root:
         storage = Storage.at(root)
         small = {"m": {"w": torch.ones(64 << 10)}}  # 256 KiB
         previous = write(storage, small, 10)
