@@ -12,7 +12,8 @@ What each test checks:
   manifest not) leaves that snapshot unused: the previous one is loaded, nothing is
   torn, and the orphaned data is removed once a newer snapshot is published;
 - with the lighthouse alive, the job goes on as a new lineage from the snapshot's
-  step, and every committed step has one fingerprint across groups within a lineage.
+  step, and every committed step has one fingerprint across groups within a lineage,
+  also when the groups were lost right after a commit the lighthouse never heard of.
 
 The kill lands where the test chose: every rank holds its training thread after
 committing a given step (`--hold-at`), or a snapshot write hangs (`--hold-write`).
@@ -328,3 +329,22 @@ def test_diloco_resumes_its_global_parameters_and_outer_optimizer(spawn, tmp_pat
     before, after = job.finish()
     assert_resumed_where_it_left(before, after, snapshot)
     assert assert_one_state_per_step(before + after) >= steps
+
+
+@pytest.mark.slow
+def test_a_kill_right_after_a_commit_never_puts_two_states_under_one_step(spawn, tmp_path):
+    """Both groups commit step 2 * EVERY + 1 and hold before asking for the next
+    quorum, so the lighthouse knows of step 2 * EVERY alone, the snapshot's; all are
+    killed, come back and train step 2 * EVERY + 1 again from the snapshot on other
+    data (--fresh-data): that must be a new lineage, or one step number would hold
+    two states (I11)."""
+    args = ("--steps", str(3 * EVERY), "--hold-at", str(2 * EVERY + 1), "--fresh-data")
+    job = Job(spawn, tmp_path, *args)
+    killed = job.wait_for("holding", 2)
+    wait_until(lambda: newest_step(tmp_path) == 2 * EVERY, WAIT, "the snapshot published")
+    job.kill(killed)
+    snapshot = next(m for m in manifests(tmp_path) if m.lineage == 0)
+
+    before, after = job.finish()
+    assert_resumed_where_it_left(before, after, snapshot)
+    assert assert_one_state_per_step(before + after) >= 3 * EVERY

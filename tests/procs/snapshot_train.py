@@ -175,8 +175,14 @@ def hold_if_at(manager: phalanx.Manager, hold_at: int) -> None:
             threading.Event().wait()
 
 
+#: Added to every batch's seed; with --fresh-data, one of this start's own (a data
+#: pipeline whose position or randomness a snapshot does not hold).
+DATA_SALT = 0
+
+
 def batch(step: int, replica: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 1000 + zlib.crc32(replica.encode()) % 997 + rank)
+    seed = step * 1000 + zlib.crc32(replica.encode()) % 997 + rank + DATA_SALT
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(16, 8, generator=g)
     return x, x.sum(dim=1, keepdim=True)
 
@@ -228,9 +234,13 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=2, help="DiLoCo's inner steps")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--fresh-data", action="store_true", help="other batches each start")
     parser.add_argument("--hold-write", choices=["data", "publish", "rename"], default=None)
     parser.add_argument("--hold-from", type=int, default=0)
     args = parser.parse_args()
+    global DATA_SALT
+    if args.fresh_data:
+        DATA_SALT = int.from_bytes(os.urandom(3), "little") * 1_000_003
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stack dump, for a hang
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.set_num_threads(1)
