@@ -359,6 +359,13 @@ def is_step(line: dict, participants: list[str] | None = None) -> bool:
     )
 
 
+def commit_after(children: list[Child], since: float, what: str, timeout: float = 30) -> None:
+    """Waits for each child to log a committed step at least 0.5 s past `since` (a
+    kill's time): the survivors train on."""
+    for child in children:
+        child.expect(lambda line: line.get("committed") and line["t"] > since + 0.5, timeout, what)
+
+
 class Proxy:
     """A TCP relay on loopback in front of `target` ("host:port"), whose connections a
     test can cut at once (both ends see the connection close) while new ones go

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import phalanx
 from phalanx.recovery import IncompatibleStateError, StateHost, heal
 
-from conftest import PROCS, TESTS, Child, child_env, free_port
+from conftest import PROCS, TESTS, Child, child_env, commit_after, free_port
 
 HSDP_PROCESS = PROCS / "hsdp_process.py"
 
@@ -150,12 +150,7 @@ def test_a_killed_group_heals_shard_by_shard_while_the_survivor_trains(spawn):
 
         b[1].signal(signal.SIGKILL)
         killed_at = time.time()
-        for child in a:
-            child.expect(
-                lambda line: line.get("committed") and line["t"] > killed_at + 0.5,
-                30,
-                "a commits alone",
-            )
+        commit_after(a, killed_at, "a commits alone")
         # A rank's death ends its replica group: the other rank's FSDP2 collective fails.
         assert b[0].wait(timeout=30) != 0
         b2 = start_group(spawn, lighthouse.address, "b", 1, *flags)

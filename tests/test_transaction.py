@@ -18,7 +18,7 @@ import pytest
 
 import phalanx
 
-from conftest import PROCS, Child, free_port, http_get
+from conftest import PROCS, Child, commit_after, free_port, http_get
 
 TRAIN = PROCS / "ft_train.py"
 STEPS = 150
@@ -103,13 +103,8 @@ def test_three_groups_train_through_a_kill_and_the_restarted_group_heals(spawn, 
 
     groups["c"].signal(signal.SIGKILL)
     killed_at = time.time()
-    for name in "ab":
-        # The survivors go on without restarting: same process, more committed steps.
-        groups[name].expect(
-            lambda line: line.get("committed") and line["t"] > killed_at + 0.5,
-            30,
-            f"{name} commits after the kill",
-        )
+    # The survivors go on without restarting: same process, more committed steps.
+    commit_after([groups["a"], groups["b"]], killed_at, "a and b commit after the kill")
     restarted = start_rank(spawn, lighthouse.address, "c")
     joined = restarted.expect(
         lambda line: line.get("event") == "step" and line["committed"], 60, "c commits again"
@@ -173,12 +168,7 @@ def test_two_groups_of_two_ranks_survive_a_group_kill(spawn, lighthouse):
     for child in b:
         child.signal(signal.SIGKILL)
     killed_at = time.time()
-    for child in a:
-        child.expect(
-            lambda line: line.get("committed") and line["t"] > killed_at + 0.5,
-            30,
-            "a commits alone",
-        )
+    commit_after(a, killed_at, "a commits alone")
     ports["b"] = free_port()
     b2 = group("b")
     for child in b2:

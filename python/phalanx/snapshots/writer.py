@@ -24,6 +24,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -49,31 +50,54 @@ def quiet_dcp() -> None:
     warnings.filterwarnings("ignore", message="fsync not supported for this stream")
 
 
+class Staging:
+    """Host memory a snapshot's tensors are copied into, kept for the next snapshot (a
+    write in flight owns it: one is in flight at a time): copying into memory already
+    mapped costs a fraction of allocating it anew each time."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of `tensors` in host memory, made now."""
+        held = self.buffers
+        self.buffers = [
+            held[i] if i < len(held) and _fits(held[i], t) else _host_buffer(t)
+            for i, t in enumerate(tensors)
+        ]
+        for buffer, tensor in zip(self.buffers, tensors, strict=True):
+            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        return self.buffers
+
+
+def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
+
+
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+
+
+@dataclass(eq=False)
 class SnapshotWriter:
     """Rank `group_rank` of a group of `world_size` writing snapshots to `storage`,
     keeping the newest `keep`; `store` is the group's store (for W > 1)."""
 
-    def __init__(
-        self,
-        storage: Storage,
-        *,
-        replica_id: str,
-        group_rank: int,
-        world_size: int,
-        keep: int,
-        store: Callable[[], dist.Store] | None,
-    ) -> None:
-        self.storage = storage
-        self.replica_id = replica_id
-        self.group_rank = group_rank
-        self.world_size = world_size
-        self.keep = keep
-        self._store = store
-        self._thread: threading.Thread | None = None
-        self._staging = Staging()
-        self._warned = False
-        #: The last snapshot this rank saw published (rank 0), for tests and logs.
-        self.published: Manifest | None = None
+    storage: Storage
+    _: KW_ONLY
+    replica_id: str
+    group_rank: int
+    world_size: int
+    keep: int
+    store: Callable[[], dist.Store] | None
+    #: The last snapshot this rank saw published (rank 0), for tests and logs.
+    published: Manifest | None = field(default=None, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _staging: Staging = field(default_factory=Staging, init=False, repr=False)
+    #: A failure was warned of, and no write succeeded since.
+    _warned: bool = field(default=False, init=False, repr=False)
 
     @property
     def busy(self) -> bool:
@@ -208,10 +232,10 @@ class SnapshotWriter:
 
     def _report(self, name: str, shard: dict[str, Any]) -> None:
         """Leaves this rank's outcome for rank 0 (a group of one has no one to tell)."""
-        if self.group_rank == 0 or self._store is None:
+        if self.group_rank == 0 or self.store is None:
             return
         try:
-            self._store().set(f"{name}/{self.group_rank}", json.dumps(shard))
+            self.store().set(f"{name}/{self.group_rank}", json.dumps(shard))
         except Exception as e:
             log.warning("cannot tell rank 0 of the snapshot %s: %s", name, e)
 
@@ -219,8 +243,8 @@ class SnapshotWriter:
         """The other ranks' shards of snapshot `name`, in rank order."""
         if self.world_size == 1:
             return []
-        assert self._store is not None
-        store = self._store()
+        assert self.store is not None
+        store = self.store()
         keys = [f"{name}/{r}" for r in range(1, self.world_size)]
         store.wait(keys, timedelta(seconds=SHARDS_TIMEOUT_S))
         shards = [json.loads(store.get(key)) for key in keys]
@@ -248,36 +272,6 @@ class SnapshotWriter:
             return
         self._warned = True
         log.warning(message + "; training goes on", step, self.storage.location, why)
-
-
-class Staging:
-    """Host memory a snapshot's tensors are copied into, kept for the next snapshot (a
-    write in flight owns it: one is in flight at a time): copying into memory already
-    mapped costs a fraction of allocating it anew each time."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-
-    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of `tensors` in host memory, made now."""
-        held = self.buffers
-        self.buffers = [
-            held[i] if i < len(held) and _fits(held[i], t) else _host_buffer(t)
-            for i, t in enumerate(tensors)
-        ]
-        for buffer, tensor in zip(self.buffers, tensors, strict=True):
-            buffer.copy_(tensor, non_blocking=tensor.is_cuda)
-        if any(t.is_cuda for t in tensors):
-            torch.cuda.synchronize()
-        return self.buffers
-
-
-def _fits(buffer: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return buffer.shape == tensor.shape and buffer.dtype == tensor.dtype
-
-
-def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
 
 
 def names_kept(storage: Storage, names: list[str], keep: int) -> list[str]:
