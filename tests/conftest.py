@@ -359,11 +359,28 @@ def is_step(line: dict, participants: list[str] | None = None) -> bool:
     )
 
 
-def commit_after(children: list[Child], since: float, what: str, timeout: float = 30) -> None:
-    """Waits for each child to log a committed step at least 0.5 s past `since` (a
-    kill's time): the survivors train on."""
+def commit_after(
+    children: list[Child],
+    since: float,
+    what: str,
+    timeout: float = 30,
+    *,
+    margin: float = 0.5,
+    participants: int | None = None,
+) -> None:
+    """Waits for each child to log a committed step more than `margin` seconds past
+    `since` (a kill's time), in a quorum of `participants` groups when given: the
+    survivors train on."""
+
+    def commits(line: dict) -> bool:
+        return (
+            bool(line.get("committed"))
+            and line["t"] > since + margin
+            and participants in (None, line["participants"])
+        )
+
     for child in children:
-        child.expect(lambda line: line.get("committed") and line["t"] > since + 0.5, timeout, what)
+        child.expect(commits, timeout, what)
 
 
 class Proxy:

@@ -24,7 +24,7 @@ from test_hosts import Host, assert_one_state_per_step, committed_steps, step_of
 from test_lighthouse_set import NAMES, serving_host, start_host_group, start_hosts_set
 from test_transaction import assert_bit_identical, committed, start_rank
 
-from conftest import JOIN_TIMEOUT, Child
+from conftest import JOIN_TIMEOUT, Child, commit_after
 
 #: The set's heartbeat timeout (`start_hosts_set`).
 HEARTBEAT_TIMEOUT = 2.0
@@ -155,14 +155,9 @@ def test_a_lone_lighthouse_restarted_on_its_address_is_used_again_at_once(
     killed_at = time.time()
     start_lighthouse_cli(address)
     back_at = time.time()
-    for rank in ranks:
-        rank.expect(
-            lambda line: (
-                line.get("committed") and line["t"] > back_at and line["participants"] == 2
-            ),
-            30,
-            "both groups again with the restarted lighthouse",
-        )
+    commit_after(
+        ranks, back_at, "both groups again with the restarted lighthouse", margin=0, participants=2
+    )
     for rank in ranks:
         assert rank.proc.poll() is None, f"{rank.name} exited: {rank.describe()}"
         steps = [line for line in rank.lines if line.get("event") == "step"]
