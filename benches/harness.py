@@ -47,6 +47,11 @@ def start_worker(script: Path, **options: object) -> subprocess.Popen:
     )
 
 
+def passed_on(args: object, *names: str) -> dict[str, object]:
+    """The options `names` of a bench's parsed `args`, for its workers' command line."""
+    return {name: getattr(args, name) for name in names}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

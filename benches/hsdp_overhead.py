@@ -18,6 +18,7 @@ from harness import (
     add_worker_arguments,
     free_port,
     lighthouse_process,
+    passed_on,
     report,
     slowest_median,
     start_worker,
@@ -105,10 +106,7 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> float:
                 rank=rank,
                 port=port,
                 lighthouse=lighthouse,
-                steps=args.steps,
-                warmup=args.warmup,
-                width=args.width,
-                depth=args.depth,
+                **passed_on(args, "steps", "warmup", "width", "depth"),
             )
             procs.append(worker)
     return slowest_median(procs, mode)

@@ -24,6 +24,7 @@ from harness import (
     free_port,
     lighthouse_process,
     mlp_and_batches,
+    passed_on,
     report,
     start_worker,
     worker_results,
@@ -93,9 +94,7 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample
             rank=rank,
             port=port,
             lighthouse=lighthouse,
-            steps=args.steps,
-            warmup=args.warmup,
-            width=args.width,
+            **passed_on(args, "steps", "warmup", "width"),
         )
         for rank in range(2)
     ]
