@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from phalanx import _core
 from phalanx.launcher.chaos import Chaos
@@ -104,25 +104,14 @@ class LaunchConfig:
         """The config of parsed `phalanx run` options; ValueError for a bad one."""
         if command and command[0].endswith(".py"):
             command = [sys.executable, *command]
+        # Every other field is the option of its name, as parsed.
+        built = {"command", "chaos", "snapshots"}
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in built}
         return cls(
             command=tuple(command),
-            replicas=args.replicas,
-            nproc_per_replica=args.nproc_per_replica,
-            lighthouse=args.lighthouse,
-            lighthouse_bind=args.lighthouse_bind,
-            min_replicas=args.min_replicas,
-            join_timeout=args.join_timeout,
-            heartbeat_timeout=args.heartbeat_timeout,
-            rollback_after=args.rollback_after,
-            replica_id=args.replica_id,
-            max_restarts=args.max_restarts,
-            restart_backoff=args.restart_backoff,
-            master_addr=args.master_addr,
             chaos=Chaos.parse(args.chaos),
-            chaos_seed=args.chaos_seed,
-            fork_server=args.fork_server,
-            as_torchft=args.as_torchft,
             snapshots=snapshot_settings(args.snapshot_dir, args.snapshot_every, args.snapshot_keep),
+            **given,
         )
 
     def rank_environ(self) -> dict[str, str]:
