@@ -395,7 +395,10 @@ def test_the_slot_rotates_over_the_groups_and_a_failed_step_asks_again(tmp_path)
 
     settings = SnapshotSettings.of(tmp_path, 5)
     a = RankSnapshots(settings, replica_id="a", group_rank=0, world_size=1, store=lambda: None)
-    groups = ["a", "b"]
+
+    def groups():
+        return ["a", "b"]
+
     assert not a.ask(4, groups)
     assert not a.ask(5, groups), "slot 1 is b's"
     a.committed(True, False)

@@ -333,7 +333,7 @@ def vote(
     snapshot = (
         yes
         and rank.snapshots is not None
-        and rank.snapshots.ask(held.step + 1, [m.replica_id for m in quorum.participants])
+        and rank.snapshots.ask(held.step + 1, lambda: [m.replica_id for m in quorum.participants])
     )
     try:
         with rank.progress.waiting(f"the commit vote of step {held.step}", commit_timeout):

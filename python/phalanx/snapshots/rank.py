@@ -105,18 +105,20 @@ class RankSnapshots:
 
     # -- writing -------------------------------------------------------------------------
 
-    def ask(self, step: int, groups: Sequence[str]) -> bool:
+    def ask(self, step: int, groups: Callable[[], Sequence[str]]) -> bool:
         """Rank 0: whether the state of `step`, if it commits, is to be snapshotted, of
-        a commit quorum of `groups` (replica ids, in the quorum's order). A slot counts
-        as done once a step of it commits (a step that fails asks again)."""
+        a commit quorum of `groups()` (replica ids, in the quorum's order; read only when
+        a slot is due, not at every vote). A slot counts as done once a step of it
+        commits (a step that fails asks again)."""
         self._asking = None
-        if self.group_rank != 0 or not groups:
+        if self.group_rank != 0:
             return False
         slot = self.settings.every.slot(step, time.time())
         if slot is None or slot == self._slot:
             return False
         self._asking = slot
-        if writer(slot, groups) != self.replica_id:
+        members = groups()
+        if not members or writer(slot, members) != self.replica_id:
             return False
         if self.writer.busy:
             log.warning(
