@@ -22,6 +22,7 @@ from phalanx.snapshots import (
     Manifest,
     SnapshotSettings,
     Storage,
+    catalog,
     load,
     newest,
 )
@@ -71,11 +72,13 @@ def fingerprint(state) -> list:
     return out
 
 
-def write(storage: Storage, state: dict, step: int, *, quorum: int = 1, keep: int = 2):
+def write(
+    storage: Storage, state: dict, step: int, *, quorum: int = 1, keep: int = 2, lineage: int = 0
+):
     writer = SnapshotWriter(
         storage, replica_id="g0", group_rank=0, world_size=1, keep=keep, store=None
     )
-    writer.take(state, step, quorum, 0)
+    writer.take(state, step, quorum, lineage)
     assert writer.wait(60)
     return writer.published
 
@@ -129,10 +132,9 @@ def test_the_newest_k_are_kept_and_the_newest_state_is_chosen(tmp_path):
     assert len([n for n in storage.names() if n.endswith(".data")]) == 2
     # A later lineage is newer whatever its step (the lighthouse's order).
     write(storage, state_of(model, opt), 25, quorum=40)
-    older = Manifest.parse(storage.read("step-0000000030.l0.q1.json"), "step-0000000030.l0.q1.json")
-    older.lineage, older.state_quorum_id = 9, 9
-    storage.publish(older.name, older.to_bytes())
-    assert newest(storage, 1).name == "step-0000000030.l9.q9.json"
+    assert newest(storage, 1).name == "step-0000000030.l0.q1.json"
+    write(storage, state_of(model, opt), 12, quorum=9, lineage=9, keep=3)
+    assert newest(storage, 1).name == "step-0000000012.l9.q9.json"
 
 
 def _corrupt(path: Path, how: str) -> None:
@@ -428,3 +430,30 @@ def test_phalanx_snapshots_lists_newest_first_and_names_the_one_a_resume_loads(t
     assert "resumes from step 10" in out
     assert listing.main([str(tmp_path / "nowhere")]) == 1
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"data": "../../etc"},
+        {"files": [{"name": "../../../etc/passwd", "size": 1, "crc32": 0}]},
+        {"structures": ["{}", "{}"]},
+        {"world_size": 0},
+    ],
+)
+def test_a_manifest_that_checks_out_but_points_elsewhere_is_refused(tmp_path, change):
+    """Its own CRC holds (written by hand, or by a broken writer): still refused."""
+    import dataclasses
+    import json
+
+    storage = Storage.at(tmp_path)
+    model, opt = trained()
+    good = write(storage, state_of(model, opt), 10)
+    fields = json.loads(json.loads(good.to_bytes())["body"])
+    fields.update(change)
+    files = [catalog.FileEntry(**f) for f in fields.pop("files")]
+    forged = dataclasses.replace(
+        good, files=files, **{k: fields[k] for k in change if k != "files"}
+    )
+    with pytest.raises(DamagedSnapshotError):
+        Manifest.parse(forged.to_bytes(), good.name)

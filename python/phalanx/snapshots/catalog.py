@@ -129,7 +129,26 @@ class Manifest:
             raise DamagedSnapshotError(name, f"its manifest lacks a field ({e})") from None
         if manifest.name != name:
             raise DamagedSnapshotError(name, f"its manifest describes {manifest.name}")
+        if why := manifest._inconsistent():
+            raise DamagedSnapshotError(name, why)
         return manifest
+
+    def _inconsistent(self) -> str | None:
+        """What a manifest whose checksum holds may still get wrong: a path outside its
+        data folder (never read), or not one structure per rank."""
+        stem_ = self.name.removesuffix(MANIFEST_SUFFIX)
+        if not (self.data.startswith(stem_ + ".") and self.data.endswith(DATA_SUFFIX)):
+            return f"its data folder {self.data!r} is not one of its own"
+        if "/" in self.data or any(_outside(f.name) for f in self.files):
+            return "it names a file outside its data folder"
+        if not isinstance(self.world_size, int) or not 0 < self.world_size == len(self.structures):
+            return f"{len(self.structures)} structure(s) for a group of {self.world_size}"
+        return None
+
+
+def _outside(path: str) -> bool:
+    parts = path.split("/")
+    return path.startswith("/") or any(part in ("", ".", "..") for part in parts)
 
 
 def newest_first(names: Iterable[str]) -> list[str]:
