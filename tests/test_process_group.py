@@ -3,6 +3,7 @@ manager server's, behind the job token)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -91,6 +92,32 @@ def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout(sto
     with pytest.raises(CollectiveFailed, match="aborted"):
         pending.wait()
     assert time.monotonic() - started < 1.0
+
+
+LEAVE_MID_COLLECTIVE = """
+import json, sys
+import torch
+from phalanx.process_group import Abort, FaultTolerantProcessGroup, Membership
+group = FaultTolerantProcessGroup(10.0, host="127.0.0.1", token=sys.argv[2])
+group.configure(Membership(sys.argv[1], "q1/r0", 0, 2), "gloo")
+group.allreduce(torch.ones(4), Abort())  # the peer never joins it
+group.reset()  # as after a failed step: the group is destroyed beside this thread
+print(json.dumps({"event": "leaving"}), flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_rank_that_exits_right_after_dropping_a_group_mid_collective_exits_cleanly(
+    store_address, spawn
+):
+    """The retired group's destructor waits for its collective; when it returned while
+    the interpreter was finalizing, the process died of SIGABRT instead of exiting 0."""
+    child = spawn("rank0", [sys.executable, "-c", LEAVE_MID_COLLECTIVE, store_address, TOKEN])
+    peer = FaultTolerantProcessGroup(10.0, host="127.0.0.1", token=TOKEN)
+    peer.configure(Membership(store_address, "q1/r0", 1, 2), "gloo")
+    child.expect(lambda line: line.get("event") == "leaving", 30, "rank 0 drops its group")
+    peer.reset()  # the peer's sockets close: rank 0's collective fails, its destructor returns
+    assert child.wait(timeout=30) == 0, child.describe()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")

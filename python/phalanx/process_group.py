@@ -136,7 +136,10 @@ class FaultTolerantProcessGroup:
 
         The group is destroyed on a thread of its own: gloo's destructor waits for the
         group's collectives in flight, and with a dead peer those last until their
-        timeout, which the training thread must not wait for."""
+        timeout, which the training thread must not wait for. The thread is not a
+        daemon: the interpreter waits for it at exit (at most that timeout), since a
+        destructor that returns while the interpreter finalizes aborts the process
+        ("terminate called without an active exception")."""
         group, self._group, self._membership = self._group, None, None
         store, self._store = self._store, None
         if group is not None and self._backend == "nccl":
@@ -146,7 +149,7 @@ class FaultTolerantProcessGroup:
         if group is not None:
             holder = [group, store]
             del group, store
-            threading.Thread(target=holder.clear, name="phalanx-retire-pg", daemon=True).start()
+            threading.Thread(target=holder.clear, name="phalanx-retire-pg").start()
 
     def allreduce(self, tensor: torch.Tensor, abort: Abort) -> Pending:
         if self._group is None or self._membership is None:
