@@ -94,6 +94,44 @@ def test_an_abort_ends_the_wait_at_once_instead_of_at_the_collective_timeout(sto
     assert time.monotonic() - started < 1.0
 
 
+def test_a_build_that_outlasts_its_deadline_is_given_up_and_dropped_when_it_ends():
+    """gloo waits for a peer's connection up to five times its timeout (a peer that
+    published its address, then paused or gave up on the quorum, never connects):
+    the rank stops waiting at its declared deadline, and what the build makes when it
+    does end is dropped on the build's thread, not kept as the current group."""
+    release, built = threading.Event(), threading.Event()
+
+    class Built:
+        def __del__(self) -> None:
+            built.set()
+
+    def connect(*_: object) -> tuple[object, object]:
+        release.wait(30)
+        return Built(), object()
+
+    group = FaultTolerantProcessGroup(0.2, connect=connect)
+    assert group.build_timeout == pytest.approx(0.6)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not built within 0.6 s: a peer never connected"):
+        group.configure(Membership("h:1", "q1/r0", 1, 2), "gloo")
+    assert time.monotonic() - started < 5.0
+    assert group.membership is None
+    release.set()
+    assert built.wait(10), "the late group was dropped"
+    assert group.membership is None
+
+
+def test_an_abort_ends_the_wait_for_a_build_at_once(store_address):
+    group = FaultTolerantProcessGroup(30.0, host="127.0.0.1", token=TOKEN)
+    abort = Abort()
+    threading.Timer(0.2, abort.set, args=("replica group(s) b died (stream_broken)",)).start()
+    started = time.monotonic()
+    with pytest.raises(CollectiveFailed, match="b died"):
+        group.configure(Membership(store_address, "q1/r0", 0, 2), "gloo", abort)  # b never comes
+    assert time.monotonic() - started < 2.0
+    assert group.membership is None
+
+
 LEAVE_MID_COLLECTIVE = """
 import json, sys
 import torch

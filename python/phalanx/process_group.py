@@ -119,15 +119,22 @@ class FaultTolerantProcessGroup:
     def membership(self) -> Membership | None:
         return self._membership
 
-    def configure(self, membership: Membership, backend: str) -> None:
+    @property
+    def build_timeout(self) -> float:
+        """How long `configure()` waits for a process group: each of its three stages
+        (reaching the store, the peers' addresses in it, connecting to them) may take
+        the collective timeout."""
+        return 3 * self._timeout.total_seconds()
+
+    def configure(self, membership: Membership, backend: str, abort: Abort | None = None) -> None:
         """Joins `membership`, dropping the previous process group (a dead peer may
-        still hold it; its own timeout ends it)."""
+        still hold it; its own timeout ends it). Raises `TimeoutError` past
+        `build_timeout`, and `CollectiveFailed` as soon as `abort` is set."""
         if membership == self._membership and backend == self._backend:
             return
         self.reset()
-        self._group, self._store = self._connect(
-            membership, backend, self._timeout, self._host, self._token
-        )
+        build = _Build(self._connect, (membership, backend, self._timeout, self._host, self._token))
+        self._group, self._store = build.result(self.build_timeout, abort or Abort())
         self._membership = membership
         self._backend = backend
 
@@ -163,6 +170,52 @@ class FaultTolerantProcessGroup:
         except RuntimeError as e:
             raise CollectiveFailed(f"all-reduce could not start: {e}", from_backend=True) from e
         return Pending(work, abort, self._timeout.total_seconds())
+
+
+class _Build:
+    """A process group built on a thread of its own, so that the wait for it keeps a
+    deadline of ours: gloo waits for a peer's connection up to five times its timeout,
+    and a peer that gave up on the build (refused by a third one that died, say) never
+    connects. A build given up on runs to its end on its thread, which then drops
+    what it built; the thread is not a daemon, for the reason `reset()` gives."""
+
+    def __init__(self, connect: Callable[..., tuple[dist.ProcessGroup, Store]], args: tuple):
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._built: tuple[dist.ProcessGroup, Store] | None = None
+        self._error: BaseException | None = None
+        self._given_up = False
+        threading.Thread(target=self._run, args=(connect, args), name="phalanx-build-pg").start()
+
+    def _run(self, connect: Callable[..., tuple[dist.ProcessGroup, Store]], args: tuple) -> None:
+        built, error = None, None
+        try:
+            built = connect(*args)
+        except BaseException as e:  # handed to the waiting thread
+            error = e
+        with self._lock:
+            if not self._given_up:
+                self._built, self._error = built, error
+                built = None
+        self._done.set()
+        del built  # a group given up on is destroyed here, off the training thread
+
+    def result(self, timeout: float, abort: Abort) -> tuple[dist.ProcessGroup, Store]:
+        if not abort.wake_on_abort(self._done):
+            self._done.wait(timeout)
+        with self._lock:
+            if self._built is None and self._error is None:
+                self._given_up = True
+                if abort.is_set():
+                    raise CollectiveFailed(abort.reason or "aborted while building the group")
+                raise TimeoutError(
+                    f"not built within {timeout:.1f} s: a peer never connected (it gave "
+                    "up on this quorum, or it is cut off)"
+                )
+        if self._error is not None:
+            raise self._error
+        assert self._built is not None
+        return self._built
 
 
 class Abort:

@@ -26,7 +26,7 @@ from phalanx.identity import HeldState
 from phalanx.manifest import IncompatibleStateError
 from phalanx.membership import LossBook, MembershipWatcher
 from phalanx.peers import LEFT_OUT, PeerReach, store_answers
-from phalanx.process_group import Membership
+from phalanx.process_group import CollectiveFailed, Membership
 from phalanx.progress import Progress
 from phalanx.reachability import Reachability
 from phalanx.services import RankServices
@@ -244,14 +244,12 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
             q.store_address, q.store_prefix, q.replica_rank, q.replica_world_size
         )
         # Building the group meets every peer in the rendezvous store: a wait on the
-        # other groups, never this rank's own stall. Each of its three stages may take
-        # the collective timeout: reaching the store, the peers' addresses in it, and
-        # connecting to them (the nemesis saw builds past one timeout evicted).
-        with rank.progress.waiting(
-            f"the process group of quorum {q.quorum_id}", 3 * rank.settings.timeouts.collective
-        ):
-            rank.services.process_group.configure(membership, rank.settings.backend)
-    except (RuntimeError, ValueError, dist.DistError) as e:
+        # other groups, never this rank's own stall, and a bounded one (the nemesis
+        # saw builds past their deadline evicted as stalled).
+        pg = rank.services.process_group
+        with rank.progress.waiting(f"the process group of quorum {q.quorum_id}", pg.build_timeout):
+            pg.configure(membership, rank.settings.backend, step.abort)
+    except (RuntimeError, ValueError, TimeoutError, CollectiveFailed, dist.DistError) as e:
         step.peers_unreached = True
         return rank.fail(step, f"cannot build the process group of quorum {quorum.quorum_id}: {e}")
     if rank.resuming is not None:
