@@ -206,13 +206,16 @@ def mlp_and_batches(width: int, seed: int):
     return model, batches
 
 
-def worker_results(procs: Sequence[subprocess.Popen], what: str) -> list[dict]:
+def worker_results(
+    procs: Sequence[subprocess.Popen], what: str, timeout: float = 600.0
+) -> list[dict]:
     """Waits for worker processes that print one JSON object last and returns those;
-    kills any left on the way out."""
+    kills any left on the way out (or past `timeout` seconds for all of them)."""
     results = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=600)
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             if p.returncode != 0:
                 raise RuntimeError(f"{what} worker failed with exit code {p.returncode}")
             results.append(json.loads(out.strip().splitlines()[-1]))

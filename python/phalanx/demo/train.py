@@ -48,10 +48,12 @@ class Corpus:
     def __len__(self) -> int:
         return self.windows
 
-    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, indices: list[int], device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.tensor(indices) * self.seq_len
         rows = starts[:, None] + torch.arange(self.seq_len + 1)
-        window = self.data[rows]
+        window = self.data[rows].to(device)
         return window[:, :-1], window[:, 1:]
 
 
@@ -60,11 +62,13 @@ def genesis() -> bytes:
 
 
 def fingerprint(tensors: list[torch.Tensor]) -> str:
-    """CRC-32 of every byte of the tensors, in order: replicas whose fingerprints
-    agree hold the same bits (up to a 2**-32 chance)."""
+    """CRC-32 of every byte of the tensors, in order (a GPU's copied to the host
+    first): replicas whose fingerprints agree hold the same bits (up to a 2**-32
+    chance)."""
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        crc = zlib.crc32(data.numpy(), crc)
     return f"{crc:08x}"
 
 
@@ -100,7 +104,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=10.0, help="the Manager's budget")
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp")
     parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model, its batches and the cross-group collectives live; cuda: "
+        "this rank's GPU, cuda:LOCAL_RANK (NCCL)",
+    )
     return parser.parse_args()
+
+
+def rank_device(kind: str) -> torch.device:
+    """The device of `--device`: cpu, or this rank's GPU (cuda:LOCAL_RANK), made the
+    current one."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 class StepLog:
@@ -175,7 +196,7 @@ def train_replicated(
     while not stop.is_set() and manager.current_step() < steps:
         started = time.time()
         optimizer.zero_grad()
-        inputs, targets = corpus.batch(sampler.indices(manager))
+        inputs, targets = corpus.batch(sampler.indices(manager), args.device)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
         committed = optimizer.step()
@@ -217,7 +238,7 @@ def train_diloco(
         indices = torch.randint(
             len(corpus), (args.batch_size,), generator=torch.Generator().manual_seed(seed)
         )
-        inputs, targets = corpus.batch(indices.tolist())
+        inputs, targets = corpus.batch(indices.tolist(), args.device)
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
         sync = diloco.step()
@@ -251,8 +272,10 @@ def main() -> None:
     stop = stop_on_sigterm()
 
     corpus = Corpus(genesis(), args.seq_len)
-    manager = phalanx.Manager(timeout=args.timeout)
+    args.device = rank_device(args.device)
+    manager = phalanx.Manager(timeout=args.timeout, device=args.device)
     model = Llama(LlamaConfig(dim=args.dim, layers=args.layers, seq_len=args.seq_len))
+    model.to(args.device)
     STRATEGIES[args.strategy](args, manager, model, corpus, stop, began)
     manager.shutdown()
 
