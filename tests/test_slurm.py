@@ -33,7 +33,17 @@ SBATCH = REPO / "examples" / "slurm" / "phalanx.sbatch"
 NODES = ("n1", "n2", "n3")
 #: Where Debian puts the daemons; not always on a user's PATH.
 SBIN = os.pathsep.join(["/usr/sbin", "/sbin", os.environ.get("PATH", "")])
-PROGRAMS = ("mungekey", "munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
+PROGRAMS = (
+    "mungekey",
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "scontrol",
+    "scancel",
+    "squeue",
+    "sinfo",
+)
 #: Small enough for 2 cores shared by three groups, the lighthouse and the daemons.
 TRAIN = "-m phalanx.demo.train --dim 32 --layers 1 --seq-len 32 --batch-size 4 --steps 100000"
 #: Each phase's bound: a group's first start imports torch; on 2 cores, three at once.
