@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,13 +57,15 @@ from harness import (
 SCRIPT = Path(__file__).resolve()
 PHASES = ("chaos", "heal", "step")
 GROUPS = 3
-#: The demo's model a size up: a GPU step is mostly launch overhead either way.
-TRAIN_ARGS = ("--dim", "256", "--layers", "4", "--seq-len", "128", "--batch-size", "32")
+#: The demo's model a size up on a GPU, where a step is mostly launch overhead
+#: either way (a rehearsal on the CPU trains the demo's own size).
+GPU_TRAIN_ARGS = ("--dim", "256", "--layers", "4", "--seq-len", "128", "--batch-size", "32")
 #: Seconds a phase may take besides its own work: processes starting (torch, a CUDA
 #: context, NCCL) and stopping.
 STARTUP_S = 90.0
 HEAL_STEP, HEAL_QUORUM = 100, 1
 EXIT_FAILED, EXIT_DIVERGED = 1, 3
+REHEARSAL = "CPU (a rehearsal over gloo)"
 
 
 def nccl_environ(index: int, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -189,11 +191,12 @@ def shown(s: dict[str, float | None], unit: str = "") -> str:
 # -- the chaos phase ---------------------------------------------------------------
 
 
-def instrument(log_dir: Path) -> None:
+def instrument(log_dir: Path) -> Callable[[], None]:
     """Times this rank's cross-group process group: every build (`configure` that
     built a new group), every reset of a built one (NCCL: its abort) and the first
     collective of each new group (NCCL sets its communicator up there), one JSON line
-    each in a file of this process's. Only timers around phalanx's own methods."""
+    each in a file of this process's. Only timers around phalanx's own methods; the
+    function returned puts them back."""
     from phalanx.process_group import FaultTolerantProcessGroup as Group
 
     path = log_dir / f"pg-{os.getpid()}.jsonl"
@@ -232,7 +235,12 @@ def instrument(log_dir: Path) -> None:
         finally:
             log("first-collective", t, began, device=str(tensor.device))
 
+    def undo() -> None:
+        Group.configure, Group.reset, Group.allreduce = configure, reset, allreduce
+        os.close(fd)
+
     Group.configure, Group.reset, Group.allreduce = timed_configure, timed_reset, timed_allreduce
+    return undo
 
 
 def run_rank(pg_log: str, train_args: list[str]) -> None:
@@ -260,7 +268,7 @@ def chaos_command(pg_log: Path, device: str = "cuda") -> tuple[str, ...]:
         "--",
         "--device",
         device,
-        *TRAIN_ARGS,
+        *(GPU_TRAIN_ARGS if device == "cuda" else ()),
     )
 
 
@@ -400,7 +408,20 @@ def chaos_phase(args: argparse.Namespace, deadline: Deadline) -> Phase:
         exited=exited,
     )
     pairs = rebuilds(job.events, read_pg_logs(pg_log), job.steps)
-    return chaos_result(got, pairs, unplanned_exits(job.events), job.steps, duration)
+    phase = chaos_result(got, pairs, unplanned_exits(job.events), job.steps, duration)
+    if phase.result["unplanned_exits"]:
+        phase.reason = f"{phase.reason}; {ranks_log}: " + "; ".join(exit_lines(ranks_log)[:3])
+    return phase
+
+
+def exit_lines(ranks_log: Path) -> list[str]:
+    """The launcher's lines on groups that failed, with their exit codes (75: evicted
+    as stalled; -6: SIGABRT, e.g. torch's NCCL watchdog tearing the process down)."""
+    try:
+        lines = ranks_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line.removeprefix("[phalanx run] ") for line in lines if "failed (exit codes" in line]
 
 
 def chaos_result(
@@ -444,9 +465,9 @@ def chaos_result(
     if unplanned:
         who = ", ".join(sorted({e["replica"] for e in unplanned}))
         why.append(
-            f"{len(unplanned)} exit(s) of a group not killed ({who}): a survivor died; "
-            "ranks.log says how (NCCL's watchdog tears a process down on a peer's loss "
-            "unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise)"
+            f"{len(unplanned)} exit(s) of a group not killed ({who}): a survivor died or "
+            "was evicted (torch's NCCL watchdog tears a process down on a peer's loss "
+            "unless TORCH_NCCL_ASYNC_ERROR_HANDLING is 0 or 2)"
         )
     if got["failures_injected"] and not got["failures_recovered"]:
         why.append("no killed group committed again")
@@ -755,7 +776,7 @@ def cuda_probe(rehearse: bool = False) -> dict[str, Any] | str:
     import torch.distributed as dist
 
     if rehearse:
-        return {"device": "CPU (a rehearsal over gloo)", "torch": torch.__version__, "nccl": "-"}
+        return {"device": REHEARSAL, "torch": torch.__version__, "nccl": "-"}
 
     if not torch.cuda.is_available():
         return (
@@ -768,7 +789,7 @@ def cuda_probe(rehearse: bool = False) -> dict[str, Any] | str:
         "device": torch.cuda.get_device_name(0),
         "devices": torch.cuda.device_count(),
         "torch": torch.__version__,
-        "cuda": torch.version.cuda,
+        "cuda_version": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     }
 
@@ -807,8 +828,8 @@ def summary(probe: dict[str, Any], phases: list[Phase]) -> tuple[list, dict[str,
         rows += phase.rows
     result = {
         "bench": "gpu_check",
-        "cuda": probe["device"] != "CPU (a rehearsal over gloo)",
         **probe,
+        "cuda": probe["device"] != REHEARSAL,
         "ok": all(p.ok for p in phases),
         "phases": {
             p.name: {"ok": p.ok, "seconds": round(p.seconds, 1), "reason": p.reason, **p.result}
