@@ -20,7 +20,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,6 +355,12 @@ def split_steps(committed: list[dict]) -> dict[tuple[int, int], set[str]]:
     return {key: fps for key, fps in states.items() if len(fps) > 1}
 
 
+def started_at(pids: Iterable[int]) -> dict[int, str]:
+    """The start time of each of `pids` still running."""
+    starts = {pid: process_start(pid) for pid in pids}
+    return {pid: started for pid, started in starts.items() if started}
+
+
 def alive(pid: int, started: str) -> bool:
     """Whether process `pid` is still the one that had start time `started`."""
     return process_start(pid) == started
@@ -369,6 +376,7 @@ def process_start(pid: int) -> str | None:
         return None
 
 
+@pytest.mark.slow
 def test_sbatch_example_survives_a_killed_node_and_a_lost_task_and_scancel_ends_it(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -415,9 +423,15 @@ def run_the_job_through_failures(job: Job) -> None:
     assert node, f"rank {rank} of group-2 is not among the job's processes in Slurm"
     tasks = [pid for pid, step in job.pids(node).items() if step.endswith(".task0")]
     assert len(tasks) == 1, f"one task of the job on {node}: {job.pids(node)}"
-    rank_started = process_start(rank)
+    # The task's every process (its launcher, fork server and rank) must end with it.
+    of_task = started_at(job.pids(node))
+    assert rank in of_task and len(of_task) >= 3, f"group-2's processes on {node}: {of_task}"
     os.kill(tasks[0], 9)
-    wait_until(lambda: not alive(rank, rank_started), 15, "group-2's rank ends with its launcher")
+    wait_until(
+        lambda: not any(alive(pid, started) for pid, started in of_task.items()),
+        15,
+        f"every process of group-2's task on {node} ends with it: {sorted(of_task)}",
+    )
     mark = len(job.read())
     wait_until(
         lambda: len({r["step"] for r in job.committed("group-0", mark)}) >= 20,
@@ -428,10 +442,13 @@ def run_the_job_through_failures(job: Job) -> None:
     assert not job.committed("group-2", mark), "group-2 committed without its launcher"
 
     # -- scancel of the job: every process of it ends ----------------------------------
-    processes = {pid: process_start(pid) for node in NODES for pid in job.pids(node)}
-    processes |= {r["pid"]: process_start(r["pid"]) for r in job.read()}
-    processes = {pid: started for pid, started in processes.items() if started}
-    assert len(processes) >= 6, f"too few processes found for job {job.id}: {processes}"
+    listed = {node: job.pids(node) for node in NODES}
+    steps = Counter(step.split(".")[0] for pids in listed.values() for step in pids.values())
+    # The batch step: the script, the lighthouse and srun; step 0 on the two nodes
+    # left: a launcher, a fork server and a rank each.
+    assert steps["batch"] >= 3 and steps["0"] >= 6, f"the job's processes: {listed}"
+    processes = started_at([pid for pids in listed.values() for pid in pids])
+    processes |= started_at([r["pid"] for r in job.read()])
     job.cluster.command("scancel", job.id)
     wait_until(lambda: not job.state(), 30, f"job {job.id} gone after scancel\n{job.describe()}")
     wait_until(
