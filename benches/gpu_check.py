@@ -683,7 +683,17 @@ def run_step_worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     cpu_ms = (time.process_time() - cpu) / args.steps * 1e3
-    print(json.dumps({"median_ms": statistics.median(times) * 1e3, "cpu_ms": cpu_ms}), flush=True)
+    from phalanx.demo.train import fingerprint
+
+    committed = manager.current_step() if args.worker == "phalanx" else args.warmup + args.steps
+    line = {
+        "median_ms": statistics.median(times) * 1e3,
+        "cpu_ms": cpu_ms,
+        # Every rank applied the same averaged gradients: the same parameters, bit for bit.
+        "fingerprint": fingerprint(list(model.state_dict().values())),
+        "committed": committed,
+    }
+    print(json.dumps(line), flush=True)
     if args.worker == "torch":
         dist.destroy_process_group()
     else:
@@ -733,6 +743,17 @@ def step_run(
             raise PhaseFailed(f"{side}: its ranks did not finish in time") from None
         except (RuntimeError, ValueError, IndexError) as e:
             raise PhaseFailed(f"{side}: {e} (its traceback is above)") from None
+    if len({r["fingerprint"] for r in got}) > 1:
+        raise PhaseFailed(
+            f"{side}: the ranks' parameters differ after {args.warmup + args.steps} steps "
+            f"(fingerprints {sorted(r['fingerprint'] for r in got)}, steps committed "
+            f"{[r['committed'] for r in got]}): the averaged gradients were not the same"
+        )
+    if min(r["committed"] for r in got) < args.steps:  # the warm-up's may fail
+        raise PhaseFailed(
+            f"{side}: steps committed {[r['committed'] for r in got]} of "
+            f"{args.warmup + args.steps}, with no failure injected"
+        )
     return max(r["median_ms"] for r in got), statistics.mean(r["cpu_ms"] for r in got)
 
 
