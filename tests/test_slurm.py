@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +55,7 @@ PHASE_BOUND = 30.0
 def missing_slurm() -> str | None:
     """Why a Slurm cluster cannot be started here, or None."""
     if os.geteuid() != 0:
-        return "slurmd runs jobs as root only when started as root; not run as root here"
+        return "starting munged, slurmctld and slurmd takes root (CI runs as root); not root here"
     missing = [p for p in PROGRAMS if shutil.which(p, path=SBIN) is None]
     if missing:
         return f"{', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge)"
@@ -212,9 +212,10 @@ class Cluster:
                     daemon.wait(timeout=5)
 
     def describe(self) -> str:
-        """The last lines of every daemon's log, for a failure message."""
+        """The last lines every daemon wrote (its log files, in `root`, say the same
+        at more length), for a failure message."""
         parts = []
-        for log in sorted(self.logs.glob("*")):
+        for log in sorted(self.logs.glob("*.out")):
             tail = log.read_text(errors="replace").splitlines()[-8:]
             parts.append(f"--- {log.name} ---\n" + "\n".join(tail))
         return "\n".join(parts)
@@ -298,6 +299,14 @@ class Job:
             pid, _job, step, local, _global = line.split()
             pids[int(pid)] = step if local == "-" else f"{step}.task{local}"
         return pids
+
+    def wait(self, condition: Callable[[], object], timeout: float, what: str) -> None:
+        """`wait_until`, failing with the job's output and the daemons' logs as they
+        are when the time is up."""
+        try:
+            wait_until(condition, timeout, what)
+        except pytest.fail.Exception as e:
+            pytest.fail(f"{e}\n{self.describe()}")
 
     def node_of(self, pid: int) -> str | None:
         return next((n for n in NODES if pid in self.pids(n)), None)
@@ -402,20 +411,20 @@ def run_the_job_through_failures(job: Job) -> None:
             any(r["participants"] == len(groups) for r in job.committed(g, since)) for g in groups
         )
 
-    wait_until(lambda: all_in(0), START_BOUND, "the three groups commit together\n")
+    job.wait(lambda: all_in(0), START_BOUND, "the three groups commit together")
     # -- one node's ranks SIGKILLed: its `phalanx run` restarts them, they heal -------
     victim = job.committed("group-1")[-1]["pid"]
     node = job.node_of(victim)
     assert node, f"rank {victim} of group-1 is not among the job's processes in Slurm"
     mark = len(job.read())
     os.kill(victim, 9)
-    wait_until(
+    job.wait(
         lambda: any(r["healed"] and r["pid"] != victim for r in job.committed("group-1", mark)),
         PHASE_BOUND,
-        f"group-1 back on {node} with new ranks, healed\n{job.describe()}",
+        f"group-1 back on {node} with new ranks, healed",
     )
     mark = len(job.read())
-    wait_until(lambda: all_in(mark), PHASE_BOUND, "the three groups commit together again")
+    job.wait(lambda: all_in(mark), PHASE_BOUND, "the three groups commit together again")
 
     # -- one task SIGKILLed (a node's `phalanx run`): the others train on --------------
     rank = job.committed("group-2")[-1]["pid"]
@@ -427,16 +436,16 @@ def run_the_job_through_failures(job: Job) -> None:
     of_task = started_at(job.pids(node))
     assert rank in of_task and len(of_task) >= 3, f"group-2's processes on {node}: {of_task}"
     os.kill(tasks[0], 9)
-    wait_until(
+    job.wait(
         lambda: not any(alive(pid, started) for pid, started in of_task.items()),
         15,
         f"every process of group-2's task on {node} ends with it: {sorted(of_task)}",
     )
     mark = len(job.read())
-    wait_until(
+    job.wait(
         lambda: len({r["step"] for r in job.committed("group-0", mark)}) >= 20,
         PHASE_BOUND,
-        f"group-0 commits 20 more steps without group-2\n{job.describe()}",
+        "group-0 commits 20 more steps without group-2",
     )
     assert job.state() == "RUNNING", job.describe()
     assert not job.committed("group-2", mark), "group-2 committed without its launcher"
@@ -450,8 +459,8 @@ def run_the_job_through_failures(job: Job) -> None:
     processes = started_at([pid for pids in listed.values() for pid in pids])
     processes |= started_at([r["pid"] for r in job.read()])
     job.cluster.command("scancel", job.id)
-    wait_until(lambda: not job.state(), 30, f"job {job.id} gone after scancel\n{job.describe()}")
-    wait_until(
+    job.wait(lambda: not job.state(), 30, f"job {job.id} gone after scancel")
+    job.wait(
         lambda: not [pid for pid, started in processes.items() if alive(pid, started)],
         15,
         f"every process of job {job.id} ended: {sorted(processes)}",
