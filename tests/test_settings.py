@@ -1,9 +1,11 @@
 """A rank's settings, read and checked before any socket opens; and the pure parts of
-the step transaction (the membership loss book, the held state), without threads."""
+the step transaction (the membership loss book and watcher, the held state)."""
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections import namedtuple
 from concurrent.futures import Future
 
 import pytest
@@ -12,11 +14,12 @@ import torch
 import phalanx
 from phalanx.data import QuorumSampler
 from phalanx.identity import HeldState
-from phalanx.membership import LossBook
+from phalanx.membership import LEFT, LossBook, MembershipWatcher
 from phalanx.process_group import FaultTolerantProcessGroup
 from phalanx.settings import ManagerSettings
 from phalanx.step import Step
 
+Event = namedtuple("Event", "quorum_id lost cause")
 JOB = {"PHALANX_REPLICA_ID": "a", "PHALANX_LIGHTHOUSE": "10.0.0.1:29510"}
 
 
@@ -98,6 +101,38 @@ def test_a_loss_heard_before_the_quorum_fails_the_step_that_gets_it():
     assert book.heard(quorum_id=4) is second
 
 
+def test_a_group_that_left_aborts_no_step_and_a_group_that_died_does():
+    """A group that ended its run voted on its last step before it stopped: the peers'
+    step in flight goes on (its collectives fail by themselves if it stopped mid-step)."""
+    events: queue.Queue = queue.Queue()
+
+    class Source:
+        def next_event(self, timeout: float = 0.0):
+            try:
+                return events.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+    heard: queue.Queue = queue.Queue()
+    book = LossBook()
+    watcher = MembershipWatcher(Source(), book, heard.put)
+    try:
+        step = Step(0, Future())
+        book.follow(step)
+        assert book.admit(step, quorum_id=4)
+        aborted = threading.Event()
+        step.abort.wake_on_abort(aborted)
+        for event in (Event(quorum_id=4, lost=["b"], cause=LEFT), Event(4, ["c"], "stream_broken")):
+            events.put(event)
+            assert heard.get(timeout=10) is event
+            if event.cause == LEFT:
+                assert book.admit(step, quorum_id=4), "its quorum is not given up either"
+        assert aborted.wait(10)
+        assert step.abort.reason == "replica group(s) c died (stream_broken)"
+    finally:
+        watcher.stop()
+
+
 def test_a_step_fails_once_whichever_threads_fail_it():
     step = Step(0, Future())
     wins = []
@@ -129,7 +164,9 @@ def test_a_cuda_job_that_reads_its_data_first_still_gets_nccl(lighthouse, monkey
     connection is faked (no CUDA here): it records the backend it was asked for."""
     backends: list[str] = []
     monkeypatch.setattr(
-        FaultTolerantProcessGroup, "configure", lambda _, __, backend: backends.append(backend)
+        FaultTolerantProcessGroup,
+        "configure",
+        lambda _, __, backend, *___: backends.append(backend),
     )
     with phalanx.Manager(replica_id="a", lighthouse=lighthouse.address, device="cuda") as manager:
         manager.start_quorum()

@@ -163,8 +163,9 @@ class MembershipLost:
     def cause(self) -> str:
         """ "stream_broken" (process gone), "heartbeat_timeout" (process stopped),
         "progress_stalled" (training thread hung; the event then names the group that
-        receives it too), or "lighthouse_lost" (this group's heartbeat stream ended:
-        no step of `quorum_id` can commit; it names no group)."""
+        receives it too), "left" (the group ended its run: its manager server stopped
+        in order), or "lighthouse_lost" (this group's heartbeat stream ended: no step
+        of `quorum_id` can commit; it names no group)."""
 
 class ReplicaStatus:
     @property

@@ -34,6 +34,11 @@ POLL_S = 0.2
 #: stream ends (`rust/src/manager/heartbeat.rs`): the leases of the quorums that
 #: stream carried end with it, so their steps can never commit.
 LIGHTHOUSE_LOST = "lighthouse_lost"
+#: The cause of a group that ended its run (its manager server stopped in order): it
+#: voted on its last step before it stopped, so its part of that step's collectives was
+#: sent; neither the step in flight nor its quorum is given up for it (had it stopped
+#: mid-step, its closed connections fail the step's collectives by themselves).
+LEFT = "left"
 
 
 class EventSource(Protocol):
@@ -103,6 +108,8 @@ class MembershipWatcher:
                 continue
             if self._heard is not None:
                 self._heard(event)
+            if event.cause == LEFT:
+                continue
             step = self._book.heard(event.quorum_id)
             if step is not None:
                 # Fails the collectives still in flight (their result would lack the

@@ -27,13 +27,17 @@ pub enum Eviction {
     /// Beating, but its training made no progress for its stall timeout while a peer
     /// waited on it: a hung training thread.
     ProgressStalled,
+    /// It ended its run: its manager server stopped in order (`Beat.leaving`). Not a
+    /// failure, but it takes its state with it like one.
+    Left,
 }
 
 impl Eviction {
-    pub const ALL: [Eviction; 3] = [
+    pub const ALL: [Eviction; 4] = [
         Eviction::StreamBroken,
         Eviction::HeartbeatTimeout,
         Eviction::ProgressStalled,
+        Eviction::Left,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -41,6 +45,7 @@ impl Eviction {
             Eviction::StreamBroken => "stream_broken",
             Eviction::HeartbeatTimeout => "heartbeat_timeout",
             Eviction::ProgressStalled => "progress_stalled",
+            Eviction::Left => "left",
         }
     }
 }
@@ -57,6 +62,7 @@ pub struct Losses {
     pub stream_broken: u64,
     pub heartbeat_timeout: u64,
     pub progress_stalled: u64,
+    pub left: u64,
 }
 
 impl Losses {
@@ -65,6 +71,7 @@ impl Losses {
             Eviction::StreamBroken => self.stream_broken,
             Eviction::HeartbeatTimeout => self.heartbeat_timeout,
             Eviction::ProgressStalled => self.progress_stalled,
+            Eviction::Left => self.left,
         }
     }
 
@@ -73,6 +80,7 @@ impl Losses {
             Eviction::StreamBroken => self.stream_broken += 1,
             Eviction::HeartbeatTimeout => self.heartbeat_timeout += 1,
             Eviction::ProgressStalled => self.progress_stalled += 1,
+            Eviction::Left => self.left += 1,
         }
     }
 }

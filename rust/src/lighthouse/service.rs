@@ -399,12 +399,13 @@ impl BeatTask {
     async fn run(mut self) {
         loop {
             match self.inbound.message().await {
+                Ok(Some(beat)) if beat.leaving => return self.closed(Eviction::Left),
                 Ok(Some(beat)) => {
                     if !self.beat(beat) {
                         return;
                     }
                 }
-                Ok(None) | Err(_) => return self.closed(),
+                Ok(None) | Err(_) => return self.closed(Eviction::StreamBroken),
             }
         }
     }
@@ -444,16 +445,18 @@ impl BeatTask {
         true
     }
 
-    /// The group's side closed or broke: it is dead.
-    fn closed(&self) {
+    /// The group's side closed or broke (it is dead), or it said it is leaving.
+    fn closed(&self, cause: Eviction) {
         let shared = &self.shared;
         let mut st = shared.lock();
-        if let Some(cause) = st.close_stream(&self.replica_id, self.stream_id, Instant::now()) {
+        let now = Instant::now();
+        if let Some(cause) = st.close_stream(&self.replica_id, self.stream_id, cause, now) {
             shared.evicted(cause);
-            tracing::info!(
-                replica_id = self.replica_id,
-                "heartbeat stream closed: replica group is dead"
-            );
+            let what = match cause {
+                Eviction::Left => "replica group left: it ended its run",
+                _ => "heartbeat stream closed: replica group is dead",
+            };
+            tracing::info!(replica_id = self.replica_id, "{what}");
         }
         shared.evaluate(&mut st, Instant::now());
     }

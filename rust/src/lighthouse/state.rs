@@ -384,11 +384,13 @@ impl LighthouseState {
         Ok((stream_id, pulse))
     }
 
-    /// The stream dropped: the group is dead now, not after a timeout.
+    /// The stream dropped (`StreamBroken`: the group is dead now, not after a timeout)
+    /// or said it is leaving (`Left`). Nothing when the stream is not the group's own.
     pub fn close_stream(
         &mut self,
         replica_id: &str,
         stream_id: u64,
+        cause: Eviction,
         now: Instant,
     ) -> Option<Eviction> {
         let ours = self
@@ -399,8 +401,8 @@ impl LighthouseState {
         if !ours {
             return None;
         }
-        self.evict(replica_id, Eviction::StreamBroken, now);
-        Some(Eviction::StreamBroken)
+        self.evict(replica_id, cause, now);
+        Some(cause)
     }
 
     /// Declares dead every group silent for longer than the heartbeat timeout.
@@ -1403,7 +1405,7 @@ mod tests {
         let ((b_stream, b_pulse), _b_events) = open(&mut s, "b", t);
         form_quorum(&mut s, &["a", "b"], t);
         assert_eq!(
-            s.close_stream("b", b_stream, t),
+            s.close_stream("b", b_stream, Eviction::StreamBroken, t),
             Some(Eviction::StreamBroken)
         );
         assert!(b_pulse.is_retired(), "its stream task must end");
@@ -1415,7 +1417,10 @@ mod tests {
         assert_eq!(lost.cause, "stream_broken");
         assert_eq!(s.live_replicas(), 1);
         // A stale stream id (an old connection closing late) changes nothing.
-        assert_eq!(s.close_stream("a", a_stream + 100, t), None);
+        assert_eq!(
+            s.close_stream("a", a_stream + 100, Eviction::StreamBroken, t),
+            None
+        );
     }
 
     #[test]
@@ -1552,7 +1557,7 @@ mod tests {
         assert_eq!(snap.last_commit_age_ms, 900);
 
         // Restarted: its manager server counts from zero; the lighthouse goes on.
-        s.close_stream("a", a_stream, t + ms(1100));
+        s.close_stream("a", a_stream, Eviction::StreamBroken, t + ms(1100));
         let _a = open(&mut s, "a", t + ms(1500));
         s.report("a", Some(totals(0, 0)), None, t + ms(1500));
         s.report("a", Some(totals(2, 1)), None, t + ms(1600));
@@ -1573,7 +1578,7 @@ mod tests {
         let ((b_stream, _), _eb) = open(&mut s, "b", t);
         form_quorum(&mut s, &["a", "b"], t);
         let killed = t + Duration::from_secs(1);
-        s.close_stream("b", b_stream, killed);
+        s.close_stream("b", b_stream, Eviction::StreamBroken, killed);
 
         let snap = s.snapshot(killed + Duration::from_millis(250));
         assert_eq!(snap.replicas.len(), 1);
@@ -1607,6 +1612,7 @@ mod tests {
                 stream_broken: 1,
                 heartbeat_timeout: 1,
                 progress_stalled: 0,
+                left: 0,
             }
         );
         assert_eq!(b.history.returns, 1);
@@ -1619,7 +1625,12 @@ mod tests {
         for i in 0..40 {
             let id = format!("g{i:02}");
             let ((stream, _), _) = open(&mut s, &id, t);
-            s.close_stream(&id, stream, t + Duration::from_secs(i));
+            s.close_stream(
+                &id,
+                stream,
+                Eviction::StreamBroken,
+                t + Duration::from_secs(i),
+            );
         }
         let snap = s.snapshot(t + Duration::from_secs(40));
         assert_eq!(snap.lost.len(), LOST_KEPT);
@@ -1787,7 +1798,7 @@ mod tests {
         drop(ask(&mut s, "a", at(0, 401, q.quorum_id), t));
         s.evaluate(t, 0);
         assert_eq!(
-            s.close_stream("a", a_stream, t),
+            s.close_stream("a", a_stream, Eviction::StreamBroken, t),
             Some(Eviction::StreamBroken)
         );
         // Restarted empty, at once: nothing to wait for, the job goes back loudly.

@@ -311,13 +311,16 @@ pub struct Heartbeat {
     pub board: Arc<Mutex<Board>>,
     /// The group's quorum requests, sent on the open stream.
     pub asks: Arc<Asks>,
+    /// Set when the manager server stops: the stream's last beat says the group leaves.
+    pub stopping: watch::Receiver<bool>,
 }
 
 impl Heartbeat {
-    /// Keeps the stream open for as long as the task runs.
+    /// Keeps the stream open until the server stops: then its last beat says the group
+    /// leaves, and this returns once the lighthouse has ended the stream.
     pub async fn run(self) {
         let mut backoff = self.interval;
-        loop {
+        while !*self.stopping.borrow() {
             let in_flight = Arc::new(InFlight::default());
             let (beats, sender) = self.send_beats(in_flight.clone());
             let opening = Instant::now();
@@ -343,6 +346,9 @@ impl Heartbeat {
                     // the module's doc).
                     let leased = self.lease.send_replace(None).map_or(0, |l| l.quorum_id);
                     let ended = self.asks.close(leased);
+                    if *self.stopping.borrow() {
+                        return;
+                    }
                     lease_lost(&self.events, &self.replica_id, ended, why);
                     backoff
                 }
@@ -380,6 +386,7 @@ impl Heartbeat {
             ..beat(*self.progress.borrow(), 1)
         });
         let progress = self.progress.clone();
+        let mut stopping = self.stopping.clone();
         let interval = self.interval;
         self.asks.open(&beats_tx);
         let sender = AbortOnDropHandle::new(tokio::spawn(async move {
@@ -388,13 +395,19 @@ impl Heartbeat {
             ticker.tick().await;
             let mut seq = 1;
             loop {
-                ticker.tick().await;
+                let leaving = tokio::select! {
+                    _ = ticker.tick() => false,
+                    _ = stopping.wait_for(|s| *s) => true,
+                };
                 seq += 1;
                 // Stamped before it is queued: a lease counts from no later than the
                 // beat's real departure.
                 in_flight.sent(seq, Instant::now());
-                let next = beat(*progress.borrow(), seq);
-                if beats_tx.send(next).await.is_err() {
+                let next = proto::Beat {
+                    leaving,
+                    ..beat(*progress.borrow(), seq)
+                };
+                if beats_tx.send(next).await.is_err() || leaving {
                     return;
                 }
             }
@@ -442,6 +455,7 @@ impl Heartbeat {
                 stall_timeout_ms: ms(trained.stall_timeout),
                 step_time_ms: ms(trained.step_time),
                 ask: None,
+                leaving: false,
             }
         }
     }

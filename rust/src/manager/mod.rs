@@ -602,6 +602,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         }),
         board,
         asks,
+        stopping: stopping.clone(),
     };
     handle.add_task(tokio::spawn(beat_until_stopped(heartbeat, stopping)));
     tracing::info!(
@@ -652,13 +653,22 @@ fn routes(service: ManagerService) -> Routes {
     Routes::new(grpc).add_service(store)
 }
 
-/// A stopping server closes its heartbeat stream at once, so that the lighthouse
-/// and the other groups learn now, not after the shutdown grace.
+/// How long a stopping server waits for the lighthouse to take its leave before it
+/// drops the stream (a lighthouse cut off would never answer): the group then goes as
+/// if it had died.
+const LEAVE_GRACE: Duration = Duration::from_millis(500);
+
+/// A stopping server says on its heartbeat stream that the group leaves and closes
+/// the stream, so that the lighthouse and the other groups learn now, not after the
+/// shutdown grace, and learn that it ended its run rather than died.
 async fn beat_until_stopped(heartbeat: Heartbeat, mut stopping: watch::Receiver<bool>) {
+    let run = heartbeat.run();
+    tokio::pin!(run);
     tokio::select! {
-        _ = heartbeat.run() => {}
+        _ = &mut run => return,
         _ = stopping.wait_for(|s| *s) => {}
     }
+    let _ = tokio::time::timeout(LEAVE_GRACE, run).await;
 }
 
 #[cfg(test)]
