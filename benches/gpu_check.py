@@ -305,6 +305,10 @@ def rebuilds(events: list[dict], pg: list[dict], steps: list[dict]) -> list[dict
     >>> [(r["survivor"], r["abort_s"], r["build_s"], r["first_collective_s"], r["back_s"])
     ...  for r in rebuilds(events, pg, steps)]
     [('b', 0.01, 0.02, 0.3, 0.8)]
+    >>> nested = [{"t": 10.1, "what": "build", "s": 0.05, "replica": "b"},  # its reset inside
+    ...           {"t": 10.12, "what": "abort", "s": 0.01, "replica": "b"}]
+    >>> rebuilds(events, nested, steps)[0]["build_s"]
+    0.05
     """
     window = 60.0
     found = []
@@ -315,7 +319,9 @@ def rebuilds(events: list[dict], pg: list[dict], steps: list[dict]) -> list[dict
             mine = sorted((p for p in pg if p["replica"] == survivor), key=lambda p: p["t"])
             until = t0 + window
             abort = _first(mine, "abort", t0, until)
-            build = _first(mine, "build", abort["t"], until) if abort else None
+            # A build for a new quorum resets the group before it first: it may have
+            # begun before its abort, and ends after it.
+            build = _first(mine, "build", abort["t"], until, by_end=True) if abort else None
             init = _first(mine, "first-collective", build["t"], until) if build else None
             back = [
                 r["t_end"]
@@ -339,8 +345,15 @@ def rebuilds(events: list[dict], pg: list[dict], steps: list[dict]) -> list[dict
     return found
 
 
-def _first(records: list[dict], what: str, after: float, until: float) -> dict | None:
-    return next((p for p in records if p["what"] == what and after <= p["t"] < until), None)
+def _first(
+    records: list[dict], what: str, after: float, until: float, by_end: bool = False
+) -> dict | None:
+    """The first record of `what` begun (`by_end`: ended) in [after, until)."""
+    for p in records:
+        at = p["t"] + p["s"] if by_end else p["t"]
+        if p["what"] == what and after <= at < until:
+            return p
+    return None
 
 
 def read_pg_logs(folder: Path) -> list[dict]:
@@ -366,7 +379,7 @@ def chaos_phase(args: argparse.Namespace, deadline: Deadline) -> Phase:
             f"{deadline.left():.0f} s of --time-limit leave {max(duration, 0):.0f} s of training "
             f"for the chaos phase, under two --kill-every intervals ({args.kill_every:g} s)"
         )
-    out = args.out / "chaos"
+    out = (args.out / "chaos").absolute()  # the ranks' timers write there too
     pg_log = out / "pg"
     pg_log.mkdir(parents=True, exist_ok=True)
     for old in pg_log.glob("pg-*.jsonl"):
@@ -395,7 +408,7 @@ def chaos_phase(args: argparse.Namespace, deadline: Deadline) -> Phase:
             signal.signal(sig, handler)
     exited = time.time()
     if code == 130:
-        raise PhaseFailed("interrupted")
+        raise KeyboardInterrupt
     ranks_log = out / "ranks.log"
     if not any(r["committed"] for r in job.steps):
         raise PhaseFailed(f"no step committed; the end of {ranks_log}:{tail(ranks_log, 20)}")
@@ -954,7 +967,11 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"bench": "gpu_check", "cuda": False, "reason": probe}), flush=True)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    phases = [run_phase(name, args, deadline) for name in args.phases]
+    try:
+        phases = [run_phase(name, args, deadline) for name in args.phases]
+    except KeyboardInterrupt:
+        print("gpu_check: interrupted; the logs so far are in", args.out, flush=True)
+        return 130
     rows, result = summary(probe, phases)
     report(f"GPU check: {GROUPS} replica groups on one {probe['device']}, NCCL", rows, result)
     return exit_status(result)
