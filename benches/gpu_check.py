@@ -499,7 +499,7 @@ def chaos_result(
             f"{got['replicas_consistent']} ({got['consistency_checked_steps']} steps compared)",
         ),
         ("chaos: unplanned exits", len(unplanned)),
-        ("chaos: CUDA heals in restarts, heal_s", f"{len(heals)}, {shown(result['cuda_heal_s'])}"),
+        ("chaos: heals of a CUDA state, heal_s", f"{len(heals)}, {shown(result['cuda_heal_s'])}"),
         ("NCCL after a loss: abort (s)", shown(result["abort_s"])),
         ("NCCL after a loss: new group built (s)", shown(result["build_s"])),
         ("NCCL after a loss: first collective (s)", shown(result["first_collective_s"])),
