@@ -464,6 +464,7 @@ mod tests {
                 stream_broken,
                 heartbeat_timeout: 0,
                 progress_stalled: 0,
+                left: 0,
             },
             returns,
             tally,
