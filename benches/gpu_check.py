@@ -805,7 +805,8 @@ def reserve(args: argparse.Namespace, before: str) -> float:
 
 
 def cuda_probe(rehearse: bool = False) -> dict[str, Any] | str:
-    """The device and its NCCL, or why there is none to check."""
+    """The device and its NCCL, or why there is none to check; PhaseFailed for a GPU
+    that cannot be checked."""
     import torch
     import torch.distributed as dist
 
@@ -818,13 +819,18 @@ def cuda_probe(rehearse: bool = False) -> dict[str, Any] | str:
             f"{torch.version.cuda or 'none'}): nothing to check; run this on a machine with a GPU"
         )
     if not dist.is_nccl_available():
-        return f"torch {torch.__version__} sees a GPU but was built without NCCL"
+        raise PhaseFailed(f"torch {torch.__version__} sees a GPU but was built without NCCL")
+    try:
+        name, count = torch.cuda.get_device_name(0), torch.cuda.device_count()
+        nccl = torch.cuda.nccl.version()
+    except (RuntimeError, AssertionError) as e:
+        raise PhaseFailed(f"torch sees a GPU but cannot use it: {e}") from None
     return {
-        "device": torch.cuda.get_device_name(0),
-        "devices": torch.cuda.device_count(),
+        "device": name,
+        "devices": count,
         "torch": torch.__version__,
         "cuda_version": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
     }
 
 
@@ -960,7 +966,12 @@ def main(argv: list[str]) -> int:
         workers.get(args.worker, run_step_worker)(args)
         return 0
     deadline = Deadline(args.time_limit)
-    probe = cuda_probe(args.rehearse_on_cpu)
+    try:
+        probe = cuda_probe(args.rehearse_on_cpu)
+    except PhaseFailed as e:
+        print(f"gpu_check: {e}")
+        print(json.dumps({"bench": "gpu_check", "cuda": True, "ok": False, "reason": str(e)}))
+        return EXIT_FAILED
     args.accel = "cpu" if args.rehearse_on_cpu else "cuda"
     if isinstance(probe, str):
         print(f"gpu_check: {probe}")
