@@ -1,7 +1,7 @@
 """The GPU check: phalanx on one CUDA device with NCCL, in one command, in under 10
 minutes. Not yet run on a GPU (see docs/benchmarks.md).
 
-    python benches/gpu_check.py                      # every phase, about 6 minutes
+    python benches/gpu_check.py                      # every phase, about 5 minutes
     python benches/gpu_check.py --phases chaos --duration 60
 
 Three replica groups share the one device, each rank with an NCCL host id of its own
