@@ -92,6 +92,15 @@ class PhaseFailed(Exception):
     """A phase could not finish; its message says why, for the table."""
 
 
+class TimeUp(BaseException):
+    """The check ran past `--time-limit` and its margin: every phase bounds its own
+    waits, so this is the last resort against one that does not."""
+
+
+#: Seconds past --time-limit before the check gives up on itself (`TimeUp`).
+MARGIN_S = 45
+
+
 @dataclass
 class Phase:
     name: str
@@ -978,11 +987,24 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"bench": "gpu_check", "cuda": False, "reason": probe}), flush=True)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def time_up(*_: object) -> None:
+        raise TimeUp
+
+    signal.signal(signal.SIGALRM, time_up)
+    signal.alarm(int(args.time_limit) + MARGIN_S)
     try:
         phases = [run_phase(name, args, deadline) for name in args.phases]
     except KeyboardInterrupt:
         print("gpu_check: interrupted; the logs so far are in", args.out, flush=True)
         return 130
+    except TimeUp:
+        reason = f"still running {MARGIN_S} s past --time-limit; the logs so far are in {args.out}"
+        print(f"gpu_check: {reason}")
+        print(json.dumps({"bench": "gpu_check", "cuda": True, "ok": False, "reason": reason}))
+        return EXIT_FAILED
+    finally:
+        signal.alarm(0)
     rows, result = summary(probe, phases)
     report(f"GPU check: {GROUPS} replica groups on one {probe['device']}, NCCL", rows, result)
     return exit_status(result)
