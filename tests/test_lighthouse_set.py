@@ -5,15 +5,18 @@ states, and quorum ids keep rising across the leaders."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 import phalanx
+from phalanx import _core
 from test_hosts import (
     LIGHTHOUSE_PORT,
     TOKEN,
@@ -27,6 +30,7 @@ from test_hosts import (
     step_of,
 )
 from test_partitions import until
+from test_transaction import TRAIN as FT_TRAIN
 from test_transaction import assert_bit_identical, committed, start_rank
 
 from conftest import Child, commit_after, free_port, http_get, lighthouse_argv
@@ -38,36 +42,45 @@ STALL_ALLOWED = HEARTBEAT_TIMEOUT + 0.5
 SLACK_ON_A_BUSY_MACHINE = 1.5
 
 
-def start_set(spawn: Callable[..., Child], tmp_path) -> tuple[list[Child], list[str]]:
-    """Three `phalanx lighthouse --peers` processes on loopback."""
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    peers = ",".join(addresses)
+def set_argv(addresses: list[str], i: int, tmp_path, *flags: str) -> list[str]:
+    """The command line of member `i` (from 1) of the set on `addresses`."""
+    argv = lighthouse_argv(addresses[i - 1], "--peers", ",".join(addresses), "--id", str(i))
+    argv += ["--state-file", str(tmp_path / f"lighthouse-{i}.raft")]
+    argv += ["--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT}s"]
+    argv += ["--join-timeout", f"{JOIN_TIMEOUT}s"]
+    return argv + list(flags)
+
+
+def start_set(
+    spawn: Callable[..., Child],
+    tmp_path,
+    *flags: str,
+    addresses: list[str] | None = None,
+) -> tuple[list[Child], list[str]]:
+    """Three `phalanx lighthouse --peers` processes on loopback, with `flags`."""
+    addresses = addresses or [f"127.0.0.1:{free_port()}" for _ in range(3)]
     children = []
-    for i, address in enumerate(addresses, start=1):
-        argv = lighthouse_argv(address, "--peers", peers, "--id", str(i))
-        argv += ["--state-file", str(tmp_path / f"lighthouse-{i}.raft")]
-        argv += ["--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT}s"]
-        argv += ["--join-timeout", f"{JOIN_TIMEOUT}s"]
-        child = spawn(f"lighthouse-{i}", argv)
+    for i in range(1, 4):
+        child = spawn(f"lighthouse-{i}", set_argv(addresses, i, tmp_path, *flags))
         child.expect(lambda line: "listening" in line.get("text", ""), 30, "listens")
         children.append(child)
     return children, addresses
 
 
-def set_view(address: str) -> dict | None:
+def set_view(address: str, token: str | None = None) -> dict | None:
     try:
-        code, body = http_get(f"http://{address}/status", timeout=1.0)
+        code, body = http_get(f"http://{address}/status", token, timeout=1.0)
     except OSError:
         return None
     return json.loads(body)["lighthouses"] if code == 200 else None
 
 
-def serving(addresses: list[str], timeout: float) -> int:
+def serving(addresses: list[str], timeout: float, token: str | None = None) -> int:
     """The index of the lighthouse that serves, once one does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for i, address in enumerate(addresses):
-            view = set_view(address)
+            view = set_view(address, token)
             if view and view["serving"]:
                 return i
         time.sleep(0.05)
@@ -243,3 +256,143 @@ PROBE = (
     "r = urllib.request.Request(sys.argv[1], headers={'Authorization': 'Bearer " + TOKEN + "'})\n"
     "print(urllib.request.urlopen(r, timeout=2).read().decode())\n"
 )
+
+
+#: The term of the issue's hostile heartbeat: 2^21 + 7. With quorum ids numbered
+#: `term << 32`, it moved a set to ids above the 2^53 groups accept, for good.
+HOSTILE_TERM = (1 << 21) + 7
+#: Far above any term the numbering gives ids of their own (2^33): a state written
+#: by a set that went where it should not.
+BAD_TERM = 1 << 40
+MAX_QUORUM_ID = 1 << 53
+
+
+def start_token_rank(spawn: Callable[..., Child], lighthouse: str, replica_id: str) -> Child:
+    """tests/procs/ft_train.py as the one rank of group `replica_id`, with the job token."""
+    env = {
+        "PHALANX_REPLICA_ID": replica_id,
+        "PHALANX_LIGHTHOUSE": lighthouse,
+        "PHALANX_TOKEN": TOKEN,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+    }
+    argv = [sys.executable, str(FT_TRAIN), "--steps", "100000", "--timeout", "10"]
+    return spawn(f"{replica_id}/0", argv, env)
+
+
+def saved_term(path: Path) -> int:
+    """The term in a lighthouse's --state-file ("term vote log-terms...")."""
+    return int(path.read_text().split()[0])
+
+
+def raft_refused(address: str, reason: str) -> float:
+    """The lighthouse's count of Raft messages refused for `reason`."""
+    code, body = http_get(f"http://{address}/metrics", TOKEN, timeout=2.0)
+    assert code == 200, body
+    prefix = f'phalanx_lighthouse_raft_refused_total{{reason="{reason}"}} '
+    return next(float(line[len(prefix) :]) for line in body.splitlines() if line.startswith(prefix))
+
+
+def logged(child: Child, *words: str, timeout: float = 10.0) -> str:
+    """The first stderr line of `child` with every one of `words`, once there is one."""
+
+    def found() -> str | None:
+        return next((line for line in child.stderr if all(w in line for w in words)), None)
+
+    until(found, timeout)
+    line = found()
+    assert line, f"{child.name} logged no line with {words}\n{child.describe(30)}"
+    return line
+
+
+def commits_after(rank: Child, since: float, count: int, timeout: float) -> list[dict]:
+    """Waits for `count` steps committed by `rank` after `since`; returns them."""
+    for _ in range(count):
+        rank.expect(lambda line: line.get("committed") and line["t"] > since, timeout, "a commit")
+    return [line for line in committed(rank) if line["t"] > since]
+
+
+def test_one_raft_message_at_an_absurd_term_is_refused_and_the_job_goes_on(spawn, tmp_path):
+    lighthouses, addresses = start_set(spawn, tmp_path, "--token", TOKEN)
+    serving(addresses, 30, TOKEN)
+    peers = ",".join(addresses)
+    ranks = [start_token_rank(spawn, peers, name) for name in ("a", "b")]
+    for rank in ranks:
+        rank.expect(
+            lambda line: line.get("committed") and line["participants"] == 2,
+            90,
+            "training with both groups",
+        )
+    terms = [set_view(a, TOKEN)["term"] for a in addresses]
+
+    # As a token holder would: a heartbeat from "the leader" at term 2^21 + 7, to each
+    # member of the set.
+    sent_at = time.time()
+    for i, address in enumerate(addresses, start=1):
+        sender = i % 3 + 1
+        with pytest.raises(Exception, match=f"lighthouse {i} .*refused a MsgHeartbeat"):
+            _core._testing.send_raft_heartbeat(
+                address, sender, i, HOSTILE_TERM, commit=10**9, token=TOKEN
+            )
+    # Refused, counted, and logged naming the sender (its claimed id, its address).
+    for i, (child, address) in enumerate(zip(lighthouses, addresses, strict=True), start=1):
+        assert raft_refused(address, "term") == 1
+        line = logged(child, "refused", f"from lighthouse {i % 3 + 1}", "sent from 127.0.0.1:")
+        assert str(HOSTILE_TERM) in line, line
+    # The terms stayed where they were, on disk too.
+    for i, address in enumerate(addresses, start=1):
+        view = set_view(address, TOKEN)
+        assert view["term"] < 1000 and view["term"] <= max(terms) + 5, view
+        assert saved_term(tmp_path / f"lighthouse-{i}.raft") < 1000
+    # The job goes on: 20 more commits of each group (the issue's set made 3 in 15 s),
+    # every quorum id one the groups accept, and rising.
+    for rank in ranks:
+        after = commits_after(rank, sent_at, 20, 30)
+        assert all(line["participants"] == 2 for line in after[-5:]), after[-5:]
+        ids = [line["quorum_id"] for line in committed(rank)]
+        assert ids == sorted(ids) and max(ids) <= MAX_QUORUM_ID, ids
+        assert rank.proc.poll() is None, f"{rank.name} restarted or died"
+    assert assert_bit_identical(ranks) > 0
+
+
+def test_a_set_at_a_bad_term_is_brought_back_by_resetting_its_state(spawn, tmp_path):
+    # Every member's state file at a term past the last with ids of its own.
+    for i in range(1, 4):
+        (tmp_path / f"lighthouse-{i}.raft").write_text(f"{BAD_TERM} 0 {BAD_TERM}\n")
+    lighthouses, addresses = start_set(spawn, tmp_path)
+    leader = serving(addresses, 30)
+    assert set_view(addresses[leader])["term"] > BAD_TERM
+    line = logged(lighthouses[0], str(BAD_TERM), "--reset-state")
+    assert "docs/lighthouse-set.md" in line, line
+
+    # Refused while a member runs: it would keep its term and vote.
+    reset = set_argv(addresses, 1, tmp_path, "--reset-state")
+    refused = subprocess.run(reset, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1, refused
+    assert "is up: stop every lighthouse of the set" in refused.stderr, refused.stderr
+    assert saved_term(tmp_path / "lighthouse-1.raft") > BAD_TERM
+
+    for child in lighthouses:
+        child.signal(signal.SIGTERM)
+    for child in lighthouses:
+        assert child.wait(timeout=30) == 0, child.describe()
+    for i in range(1, 4):
+        done = subprocess.run(
+            set_argv(addresses, i, tmp_path, "--reset-state"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done
+        held = re.search(r"held term (\d+)", done.stdout)
+        assert held and int(held[1]) > BAD_TERM, done.stdout
+        assert (tmp_path / f"lighthouse-{i}.raft").read_text().split() == ["0", "0"]
+
+    # Started again as they were: one serves at a small term, and a group commits.
+    _, addresses = start_set(spawn, tmp_path, addresses=addresses)
+    leader = serving(addresses, 30)
+    assert set_view(addresses[leader])["term"] < 1000
+    rank = start_rank(spawn, ",".join(addresses), "a", steps=100000)
+    rank.expect(lambda line: line.get("committed"), 90, "a committed step after the reset")

@@ -114,6 +114,12 @@ pub struct LighthouseFlags {
     /// Deleting it while another member is down can elect two leaders.
     #[arg(long, value_name = "FILE", requires = "peers")]
     pub state_file: Option<PathBuf>,
+    /// Rewrite this member's --state-file to a fresh member's (term 0) and exit,
+    /// without serving: for a set whose Raft term went where it should not. Refused
+    /// while any member of --peers answers; stop them all, reset each, start them
+    /// all (docs/lighthouse-set.md).
+    #[arg(long, requires = "peers")]
+    pub reset_state: bool,
     #[command(flatten)]
     pub torchft: TorchftFlags,
 }
@@ -380,8 +386,34 @@ pub fn duration_text(duration: Duration) -> String {
     }
 }
 
+/// The lighthouse's log lines (what the set decides, what it refuses) on stderr, at
+/// `RUST_LOG`'s level or info. Once per process; later calls do nothing.
+pub fn log_to_stderr() {
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .try_init();
+}
+
 /// Serves until SIGINT or SIGTERM, then shuts down cleanly.
 pub async fn run_lighthouse(args: LighthouseArgs) -> Result<(), Error> {
+    // `phalanx lighthouse` too, not only the standalone binary.
+    log_to_stderr();
+    if args.flags.reset_state {
+        // Before the token and the rest: resetting needs neither.
+        let set = args
+            .set_options()?
+            .ok_or_else(|| Error::InvalidConfig("--reset-state needs --peers and --id".into()))?;
+        let done = tokio::task::spawn_blocking(move || crate::lighthouse::set::reset_state(&set))
+            .await
+            .map_err(|e| Error::InvalidConfig(format!("--reset-state failed: {e}")))??;
+        println!("phalanx lighthouse: {done}");
+        return Ok(());
+    }
     let options = args.options(process_environment)?;
     let set = args.set_options()?;
     for note in &args.notes {

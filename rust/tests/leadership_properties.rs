@@ -130,6 +130,9 @@ impl World {
             }
             let now = self.local(i);
             if let Some(node) = self.members[i].node.as_mut() {
+                // Crashes, partitions and delays never make a real message look
+                // implausible (`Leadership::check`): none is refused.
+                assert_eq!(node.check(&envelope, now), Ok(()), "{:?}", envelope.message);
                 let out = node.receive(envelope, now);
                 self.send(i, out);
             }

@@ -1,18 +1,10 @@
 //! The standalone lighthouse. See `phalanx-lighthouse --help`.
 
-use std::io::IsTerminal;
-
 use clap::Parser;
-use phalanx::cli::{run_lighthouse, LighthouseArgs};
+use phalanx::cli::{log_to_stderr, run_lighthouse, LighthouseArgs};
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    log_to_stderr();
     let args = LighthouseArgs::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -23,14 +23,23 @@
 //! Terms, votes and the log's terms are kept on disk (`VoteStore`): a lighthouse that
 //! forgot its vote could vote twice in one term and make two leaders of it, and one
 //! that forgot its log could help elect a leader that lacks a committed entry.
+//!
+//! Because terms are kept, one message with an absurd term would stay for good: Raft
+//! adopts any higher term it hears, and every member writes it down. So a message
+//! from a peer is taken in only if it is one phalanx's Raft sends and its term is one
+//! the set can have reached (`Leadership::check`, `term_ceiling`), and quorum ids are
+//! numbered so that no term can take them out of the range groups accept
+//! (`quorum_id_floor`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use raft::eraftpb::{ConfState, Entry, HardState, Message, MessageType};
+use raft::eraftpb::{ConfState, Entry, EntryType, HardState, Message, MessageType};
 use raft::storage::MemStorage;
 use raft::Storage;
 use raft::{Config, RawNode, StateRole};
+
+use crate::validate::MAX_QUORUM_ID;
 
 /// How far apart two lighthouses' clock rates may be, as a fraction. Monotonic clocks
 /// of commodity machines differ by well under 0.1% (crystals ~0.01%, NTP slews at most
@@ -71,6 +80,12 @@ impl Timing {
     /// a message just before a tick boundary counts that tick as one already passed.
     pub fn stickiness(&self) -> Duration {
         self.tick * (self.election_ticks.saturating_sub(1) as u32)
+    }
+
+    /// The least time between two elections that each raise the set's highest term,
+    /// on the fastest clock the drift bound allows (see `term_ceiling`).
+    pub fn fastest_election(&self) -> Duration {
+        (self.tick * self.election_ticks as u32).mul_f64(1.0 - MAX_DRIFT)
     }
 
     /// How long a majority's acknowledgement lets the leader serve.
@@ -149,6 +164,88 @@ pub struct Leadership {
     heard: BTreeMap<u64, Instant>,
     disk: Box<dyn VoteStore>,
     saved: Saved,
+    /// The term this member started with, and how long before its start that state
+    /// was written: the ground `term_ceiling` grows from.
+    start_term: u64,
+    saved_age: Duration,
+}
+
+/// Why a message from a peer was not taken in (`Leadership::check`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Its term is above any the set can have reached by now.
+    Term { term: u64, ceiling: u64 },
+    /// A kind of message phalanx's Raft never sends to a peer.
+    Kind(MessageType),
+    /// It carries a log entry no leader of phalanx appends (with data, of another
+    /// type, or of a term above the message's own).
+    Entry,
+}
+
+impl Refusal {
+    /// For the `raft_refused` metric's `reason` label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::Term { .. } => "term",
+            Refusal::Kind(_) => "kind",
+            Refusal::Entry => "entry",
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::Term { term, ceiling } => write!(
+                f,
+                "its term {term} is above {ceiling}, the highest this set can have reached \
+                 by elections since this lighthouse's state was written"
+            ),
+            Refusal::Kind(kind) => write!(
+                f,
+                "it is a {kind:?}, which no lighthouse of a set sends (no leadership \
+                 transfer, no proposals, no snapshots)"
+            ),
+            Refusal::Entry => write!(
+                f,
+                "it carries a log entry no leader appends (the log holds only the empty \
+                 entry of each new leader)"
+            ),
+        }
+    }
+}
+
+/// Terms a member may be behind the others when its state was written, beyond what
+/// elections since then can add (see `term_ceiling`).
+pub const TERM_SLACK: u64 = 1_000;
+
+/// The highest term a peer's message may carry for a member that started with
+/// `start_term`, written `elapsed` ago, under `timing`.
+///
+/// Why this bound never refuses a real election storm: with pre-vote and
+/// check-quorum on, a member raises its term only by campaigning, and it campaigns
+/// only after its election timer ran at least `election_ticks` ticks, a timer that
+/// restarts whenever its term changes (by its campaign or by hearing a higher one).
+/// So the highest term of the set rises by at most one per `fastest_election` of
+/// the member that raises it (a member at a lower term raises nothing above it),
+/// however many members campaign at once. Twice that rate, counted from when this
+/// member's state was written, plus `TERM_SLACK` for a member that was behind then
+/// (by a partition: a member that hears the others catches up at once), is a bound
+/// real elections stay under with a factor of two to spare. A member whose state is
+/// old (down for a month) gets a bound grown by that month.
+///
+/// A hostile or buggy sender can push the term up to this bound and no further: at
+/// most `TERM_SLACK` at once, and then no faster than the fastest storm. From term 0
+/// with the default timing the bound reaches `MAX_TERM` after 81 years of that. It
+/// is not capped there: a set past `MAX_TERM` (its quorum ids still valid, see
+/// `quorum_id_floor`) must still elect, and its operator resets it at leisure
+/// (`phalanx lighthouse --reset-state`, docs/lighthouse-set.md).
+pub fn term_ceiling(start_term: u64, elapsed: Duration, timing: &Timing) -> u64 {
+    let fastest = timing.fastest_election().as_nanos().max(1);
+    let elections = u64::try_from(elapsed.as_nanos() / fastest).unwrap_or(u64::MAX);
+    start_term
+        .saturating_add(TERM_SLACK)
+        .saturating_add(elections.saturating_mul(2))
 }
 
 fn us_since(epoch: Instant, now: Instant) -> u64 {
@@ -209,8 +306,60 @@ impl Leadership {
             echo: BTreeMap::new(),
             heard: BTreeMap::new(),
             disk,
+            start_term: saved.term,
             saved,
+            saved_age: Duration::ZERO,
         })
+    }
+
+    /// Says that the saved state this member started from was written `age` before
+    /// its start (a file's age): the set may have gone on electing meanwhile.
+    pub fn with_saved_age(mut self, age: Duration) -> Self {
+        self.saved_age = age;
+        self
+    }
+
+    /// The highest term a peer's message may carry at `now` (`term_ceiling`).
+    pub fn term_ceiling(&self, now: Instant) -> u64 {
+        let elapsed = self.saved_age + now.saturating_duration_since(self.epoch);
+        term_ceiling(self.start_term, elapsed, &self.timing)
+    }
+
+    /// Whether a message from a peer may be taken in at `now`: of a kind phalanx's
+    /// Raft sends between members, with no entry a leader never appends, and of a
+    /// term the set can have reached. `receive` drops what this refuses; the caller
+    /// asks first to count and report it.
+    pub fn check(&self, envelope: &Envelope, now: Instant) -> Result<(), Refusal> {
+        use MessageType::*;
+        let m = &envelope.message;
+        match m.get_msg_type() {
+            MsgAppend
+            | MsgAppendResponse
+            | MsgRequestVote
+            | MsgRequestVoteResponse
+            | MsgRequestPreVote
+            | MsgRequestPreVoteResponse
+            | MsgHeartbeat
+            | MsgHeartbeatResponse => {}
+            // MsgTransferLeader and MsgTimeoutNow start an election that skips the
+            // followers' stickiness, which the lease counts on; nothing proposes, and
+            // the log is never compacted, so no leader needs a snapshot (one would
+            // also replace the set's members). The rest are local to a member.
+            other => return Err(Refusal::Kind(other)),
+        }
+        let entry_ok =
+            |e: &Entry| e.get_entry_type() == EntryType::EntryNormal && e.data.is_empty();
+        if m.log_term > m.term || m.entries.iter().any(|e| e.term > m.term || !entry_ok(e)) {
+            return Err(Refusal::Entry);
+        }
+        let ceiling = self.term_ceiling(now);
+        if m.term > self.node.raft.term && m.term > ceiling {
+            return Err(Refusal::Term {
+                term: m.term,
+                ceiling,
+            });
+        }
+        Ok(())
     }
 
     pub fn id(&self) -> u64 {
@@ -246,10 +395,21 @@ impl Leadership {
 
     /// Takes in a message from another member; returns the messages to send.
     pub fn receive(&mut self, envelope: Envelope, now: Instant) -> Vec<(u64, Envelope)> {
-        let m = envelope.message;
+        if self.check(&envelope, now).is_err() {
+            return Vec::new();
+        }
+        let mut m = envelope.message;
         let (from, term, kind) = (m.from, m.term, m.get_msg_type());
         if from == self.id || m.to != self.id || !self.voters.contains(&from) {
             return Vec::new();
+        }
+        // raft-rs panics on a heartbeat committing past this member's log. A leader
+        // sends one to a member whose state file was deleted (it still counts the
+        // entries that member had); nothing here applies committed entries, so the
+        // commit index is only a number: take it as far as the log goes, and the
+        // leader's next append fills the log in.
+        if kind == MessageType::MsgHeartbeat {
+            m.commit = m.commit.min(self.node.raft.raft_log.last_index());
         }
         self.heard.insert(from, now);
         let vote_request = matches!(
@@ -449,10 +609,27 @@ impl Leadership {
     }
 }
 
+/// Quorum ids each term has to itself above its floor (`quorum_id_floor`).
+pub const IDS_PER_TERM: u64 = 1 << 20;
+
+/// The highest term with ids of its own: every id of it and below is at most
+/// `MAX_QUORUM_ID`, the most groups accept.
+pub const MAX_TERM: u64 = MAX_QUORUM_ID / IDS_PER_TERM - 1;
+
 /// Quorum ids issued in term `term` start above this: a later leader's ids are above
-/// every earlier leader's, whatever the groups report (2^32 quorums per term).
+/// every earlier leader's, whatever the groups report.
+///
+/// The 2^53 ids groups accept (`MAX_QUORUM_ID`) are split between terms and the
+/// quorums of each: 2^33 terms of 2^20 ids. 2^33 terms is 81 years of terms raised
+/// at twice the fastest real election storm (the most `term_ceiling` admits), 162
+/// years of that storm itself; 2^20 quorums are 29 hours of a new quorum at every
+/// step of a 10 Hz job under one leader. A term past `MAX_TERM` keeps its floor
+/// (ids stay valid, only the floor no longer rises with the term), and a leader that
+/// issues more than 2^20 ids reaches into the next term's: the new leader then starts
+/// above the ids the groups report with every beat and ask, and above the job's
+/// newest state the set passed on, so ids still only rise.
 pub fn quorum_id_floor(term: u64) -> u64 {
-    term << 32
+    term.min(MAX_TERM) * IDS_PER_TERM
 }
 
 #[cfg(test)]
@@ -559,6 +736,217 @@ mod tests {
             };
             nodes[leader].receive(forged, now);
             assert_eq!(nodes[leader].lease_until(), Some(until), "echo {echo_us}");
+        }
+    }
+
+    fn heartbeat(from: u64, to: u64, term: u64) -> Envelope {
+        let mut message = Message::default();
+        message.set_msg_type(MessageType::MsgHeartbeat);
+        message.from = from;
+        message.to = to;
+        message.term = term;
+        Envelope {
+            message,
+            sent_us: 1,
+            echo_us: 0,
+        }
+    }
+
+    /// Counts what each save writes, to show a refused message writes nothing.
+    struct Saves(std::sync::Arc<std::sync::Mutex<Vec<Saved>>>);
+
+    impl VoteStore for Saves {
+        fn save(&mut self, saved: &Saved) -> std::io::Result<()> {
+            self.0.lock().unwrap().push(saved.clone());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn one_heartbeat_at_an_absurd_term_is_refused_and_written_nowhere() {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let now = run(&mut nodes, start, 4, &[true, true, true]);
+        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
+        let follower = (leader + 1) % 3;
+        let saves = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        nodes[follower].disk = Box::new(Saves(saves.clone()));
+        let term = nodes[follower].term();
+        let from = nodes[leader].id();
+        let to = nodes[follower].id();
+        // The issue's message (2^21 + 7), and the largest term there is.
+        for hostile in [(1 << 21) + 7, u64::MAX] {
+            let forged = heartbeat(from, to, hostile);
+            let refused = nodes[follower].check(&forged, now);
+            assert!(
+                matches!(refused, Err(Refusal::Term { term: t, .. }) if t == hostile),
+                "{refused:?}"
+            );
+            assert!(nodes[follower].receive(forged, now).is_empty());
+            assert_eq!(nodes[follower].term(), term);
+        }
+        assert!(saves.lock().unwrap().is_empty(), "nothing was written");
+        // The set goes on serving in its term.
+        let now = run(&mut nodes, now, 2, &[true, true, true]);
+        assert_eq!(nodes[leader].serving(now), Some(term));
+    }
+
+    #[test]
+    fn messages_phalanx_never_sends_are_refused() {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let now = run(&mut nodes, start, 4, &[true, true, true]);
+        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
+        let follower = (leader + 1) % 3;
+        let (from, to, term) = (
+            nodes[follower].id(),
+            nodes[leader].id(),
+            nodes[leader].term(),
+        );
+        // A transfer makes the leader tell a follower to campaign at once, past the
+        // stickiness the lease counts on.
+        for kind in [
+            MessageType::MsgTransferLeader,
+            MessageType::MsgTimeoutNow,
+            MessageType::MsgPropose,
+            MessageType::MsgSnapshot,
+            MessageType::MsgHup,
+        ] {
+            let mut forged = heartbeat(from, to, term);
+            forged.message.set_msg_type(kind);
+            assert_eq!(nodes[leader].check(&forged, now), Err(Refusal::Kind(kind)));
+            nodes[leader].receive(forged, now);
+        }
+        let mut append = heartbeat(to, from, term);
+        append.message.set_msg_type(MessageType::MsgAppend);
+        append.message.entries.push(Entry {
+            term: term + 5,
+            ..Default::default()
+        });
+        assert_eq!(nodes[follower].check(&append, now), Err(Refusal::Entry));
+        append.message.entries[0].term = term;
+        append.message.entries[0].data = vec![1u8; 8].into();
+        assert_eq!(nodes[follower].check(&append, now), Err(Refusal::Entry));
+        let now = run(&mut nodes, now, 2, &[true, true, true]);
+        assert_eq!(
+            nodes[leader].serving(now),
+            Some(term),
+            "still the same leader"
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_committing_past_the_log_does_not_panic() {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let now = run(&mut nodes, start, 4, &[true, true, true]);
+        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
+        let follower = (leader + 1) % 3;
+        let (from, to, term) = (
+            nodes[leader].id(),
+            nodes[follower].id(),
+            nodes[leader].term(),
+        );
+        let mut forged = heartbeat(from, to, term);
+        forged.message.commit = 1_000_000;
+        nodes[follower].receive(forged, now);
+        let now = run(&mut nodes, now, 2, &[true, true, true]);
+        assert_eq!(nodes[leader].serving(now), Some(term));
+    }
+
+    #[test]
+    fn an_election_storm_is_never_refused() {
+        // Every leader is killed as soon as it serves and comes back at once (its
+        // state kept in memory): elections one after another, as fast as the
+        // timers allow, for ten minutes.
+        let start = Instant::now();
+        let timing = Timing::default();
+        let mut nodes = set(start);
+        let mut now = start;
+        let first = nodes[0].term();
+        let mut elections = 0;
+        while now < start + Duration::from_secs(600) {
+            now += timing.tick;
+            let mut queue: Vec<(u64, Envelope)> = Vec::new();
+            for n in nodes.iter_mut() {
+                queue.extend(n.advance(now));
+            }
+            while let Some((to, env)) = queue.pop() {
+                let node = &mut nodes[to as usize - 1];
+                assert_eq!(node.check(&env, now), Ok(()), "{:?}", env.message);
+                queue.extend(node.receive(env, now));
+            }
+            if let Some(i) = nodes.iter().position(|n| n.serving(now).is_some()) {
+                let saved = nodes[i].to_save();
+                nodes[i] = Leadership::new(
+                    i as u64 + 1,
+                    vec![1, 2, 3],
+                    timing,
+                    saved,
+                    Box::new(NoDisk),
+                    now,
+                )
+                .unwrap();
+                elections += 1;
+            }
+        }
+        let last = nodes.iter().map(Leadership::term).max().unwrap();
+        assert!(elections > 100, "{elections} elections");
+        assert!(last - first >= elections, "terms {first} -> {last}");
+        assert!(last <= term_ceiling(0, now - start, &timing));
+    }
+
+    #[test]
+    fn the_term_ceiling_grows_faster_than_any_election_storm() {
+        let t = Timing::default();
+        assert_eq!(term_ceiling(7, Duration::ZERO, &t), 7 + TERM_SLACK);
+        // An hour of elections at the fastest pace the timers allow.
+        let hour = Duration::from_secs(3600);
+        let storm = (hour.as_secs_f64() / t.fastest_election().as_secs_f64()) as u64;
+        assert!(term_ceiling(0, hour, &t) >= 2 * storm);
+        assert_eq!(term_ceiling(u64::MAX, hour, &t), u64::MAX);
+        assert_eq!(term_ceiling(0, Duration::MAX, &t), u64::MAX);
+        // A set past the last term with ids of its own still takes its members' terms.
+        assert!(term_ceiling(1 << 40, Duration::ZERO, &t) > (1 << 40) + 1);
+        // The issue's term is refused by a set that has run a day; it would take
+        // days of the fastest storm to be reached.
+        let day = Duration::from_secs(86_400);
+        assert!(term_ceiling(0, day, &t) < (1 << 21) + 7);
+    }
+
+    #[test]
+    fn the_quorum_ids_of_the_highest_term_are_still_accepted() {
+        assert_eq!(MAX_TERM, (1 << 33) - 1);
+        assert_eq!(quorum_id_floor(MAX_TERM) + IDS_PER_TERM, MAX_QUORUM_ID);
+        assert!(crate::validate::quorum_id("id", quorum_id_floor(u64::MAX) + IDS_PER_TERM).is_ok());
+        // The issue's term: its ids were above 2^53 with `term << 32`.
+        assert!(quorum_id_floor((1 << 21) + 7) + IDS_PER_TERM < MAX_QUORUM_ID);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn quorum_id_floors_stay_in_range_and_rise_with_the_term(a: u64, b: u64) {
+            let (low, high) = (a.min(b), a.max(b));
+            // Every id of every term is one groups accept.
+            proptest::prop_assert!(quorum_id_floor(high) + IDS_PER_TERM <= MAX_QUORUM_ID);
+            // Never back; strictly up while the terms have ids of their own.
+            proptest::prop_assert!(quorum_id_floor(low) <= quorum_id_floor(high));
+            if low < high && low < MAX_TERM {
+                proptest::prop_assert!(quorum_id_floor(low) + IDS_PER_TERM <= quorum_id_floor(high));
+            }
+        }
+
+        #[test]
+        fn the_term_ceiling_never_falls_below_the_start_and_rises_with_time(
+            start in 0u64..=u64::MAX,
+            a_ms in 0u64..(1 << 40),
+            b_ms in 0u64..(1 << 40),
+        ) {
+            let t = Timing::default();
+            let (a, b) = (Duration::from_millis(a_ms.min(b_ms)), Duration::from_millis(a_ms.max(b_ms)));
+            let (at_a, at_b) = (term_ceiling(start, a, &t), term_ceiling(start, b, &t));
+            proptest::prop_assert!(at_a <= at_b);
+            proptest::prop_assert!(at_a >= start.saturating_add(TERM_SLACK));
         }
     }
 

@@ -15,6 +15,8 @@ use super::snapshot::{ReplicaSnapshot, Snapshot};
 use crate::gate::Refusals;
 
 type Labels = Vec<(&'static str, &'static str)>;
+/// Raft messages from peers a lighthouse of a set refused, by reason.
+pub type RaftRefusals = Family<Labels, Counter>;
 type GroupLabels = Vec<(&'static str, String)>;
 
 pub struct Metrics {
@@ -32,6 +34,9 @@ pub struct Metrics {
     pub quorum_requests: Family<Labels, Counter>,
     pub evictions: Family<Labels, Counter>,
     pub refusals: Refusals,
+    /// Raft messages refused (`leadership::Refusal`), by `reason`: a buggy or
+    /// hostile token holder, or a member whose state was not reset with the others.
+    pub raft_refused: RaftRefusals,
 }
 
 impl Metrics {
@@ -50,6 +55,7 @@ impl Metrics {
             quorum_requests: Family::default(),
             evictions: Family::default(),
             refusals: Refusals::default(),
+            raft_refused: Family::default(),
             registry: Registry::default(),
         };
         registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
@@ -103,6 +109,15 @@ impl Metrics {
             "Requests and connections refused, by reason",
             m.refusals.family(),
         );
+        registry.register(
+            "raft_refused",
+            "Raft messages from peers refused, by reason: term (above any the set can \
+             have reached), kind (one no lighthouse sends), entry (one no leader appends)",
+            m.raft_refused.clone(),
+        );
+        for reason in ["term", "kind", "entry"] {
+            let _ = m.raft_refused.get_or_create(&vec![("reason", reason)]);
+        }
         for cause in Eviction::ALL {
             m.evicted_family(cause);
         }

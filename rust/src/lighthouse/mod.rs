@@ -188,7 +188,7 @@ pub async fn serve_in_set(
     let grpc = InterceptedService::new(grpc, options.token.clone());
     let seat = match set {
         Some(set) => {
-            let seat = Seat::new(set, &options.token)?;
+            let seat = Seat::new(set, &options.token, shared.metrics.raft_refused.clone())?;
             let _ = shared.seat.set(seat.clone());
             Some(seat)
         }

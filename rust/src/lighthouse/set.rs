@@ -15,7 +15,8 @@ use tokio::sync::{mpsc, watch, Notify};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
-use super::leadership::{Envelope, Leadership, Saved, Timing, View, VoteStore};
+use super::leadership::{Envelope, Leadership, Refusal, Saved, Timing, View, VoteStore, MAX_TERM};
+use super::metrics::RaftRefusals;
 use crate::auth::JobToken;
 use crate::proto::{
     self, lighthouse_set_client::LighthouseSetClient, lighthouse_set_server, LEADER_KEY,
@@ -72,6 +73,18 @@ impl SetOptions {
 struct FileVotes(PathBuf);
 
 impl FileVotes {
+    /// The state in `path` and how long ago it was written (by the file's time: a
+    /// clock set back since only makes that shorter, and `term_ceiling` stricter).
+    fn load_with_age(path: &Path) -> Result<(Saved, Duration), Error> {
+        let saved = Self::load(path)?;
+        let age = std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|written| std::time::SystemTime::now().duration_since(written).ok())
+            .unwrap_or_default();
+        Ok((saved, age))
+    }
+
     fn load(path: &Path) -> Result<Saved, Error> {
         let text = match std::fs::read_to_string(path) {
             Ok(text) => text,
@@ -115,6 +128,84 @@ impl VoteStore for FileVotes {
     }
 }
 
+/// `phalanx lighthouse --reset-state`: rewrites this member's Raft state to a fresh
+/// member's (term 0, no vote, an empty log), for a set whose terms went where they
+/// should not (docs/lighthouse-set.md). Refused while any member of the set answers
+/// on its address: Raft's safety needs every member reset together, none running.
+/// Returns what it did, for the operator.
+pub fn reset_state(options: &SetOptions) -> Result<String, Error> {
+    options.validate()?;
+    for (i, address) in options.peers.iter().enumerate() {
+        if answers(address) {
+            return Err(Error::InvalidConfig(format!(
+                "lighthouse {} at {address} is up: stop every lighthouse of the set \
+                 before resetting any (a running member keeps its term and vote, and a \
+                 reset one could then vote twice in a term), then reset each and start \
+                 them all",
+                i + 1
+            )));
+        }
+    }
+    let path = &options.state_file;
+    let old = FileVotes::load(path)?;
+    FileVotes(path.clone())
+        .save(&Saved::default())
+        .map_err(|e| {
+            Error::InvalidConfig(format!(
+                "cannot write the lighthouse's Raft state {}: {e}; fix its permissions or \
+                 give the --state-file the lighthouse runs with",
+                path.display()
+            ))
+        })?;
+    Ok(format!(
+        "the Raft state {} of lighthouse {} held term {}, vote {} and {} log entries; it \
+         holds a fresh member's now (term 0). Reset every other member the same way, then \
+         start them all: quorum ids go on from the highest the groups report",
+        path.display(),
+        options.id,
+        old.term,
+        old.vote,
+        old.log_terms.len()
+    ))
+}
+
+/// Whether something accepts a connection at `address` within a short wait.
+fn answers(address: &str) -> bool {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Ok(addresses) = address.to_socket_addrs() else {
+        return false;
+    };
+    addresses
+        .into_iter()
+        .any(|a| TcpStream::connect_timeout(&a, Duration::from_millis(500)).is_ok())
+}
+
+/// Sends one Raft message to the lighthouse at `address` as a member of its set would
+/// (with `token`, the job's): what a buggy or hostile token holder can send, for the
+/// tests (`phalanx._core._testing.send_raft`).
+pub async fn send_raft(
+    address: &str,
+    token: &JobToken,
+    message: raft::eraftpb::Message,
+) -> Result<(), Error> {
+    let (channel, attach) = transport::channel(address, token, Duration::from_secs(2))?;
+    let mut client = LighthouseSetClient::with_interceptor(channel, attach);
+    let request = proto::RaftEnvelope {
+        message: message.write_to_bytes().unwrap_or_default(),
+        sent_us: 1,
+        echo_us: 0,
+        newest: None,
+    };
+    tokio::time::timeout(Duration::from_secs(5), client.raft(request))
+        .await
+        .map_err(|_| {
+            Error::Rpc(Status::deadline_exceeded(format!(
+                "{address} did not answer a Raft message within 5 s"
+            )))
+        })??;
+    Ok(())
+}
+
 /// This lighthouse's place in the set.
 pub(crate) struct Seat {
     options: SetOptions,
@@ -132,12 +223,37 @@ pub(crate) struct Seat {
     /// its last message, so it starts serving knowing the job's newest state as of
     /// about one set heartbeat (100 ms) before the change.
     newest: Mutex<Option<Identity>>,
+    /// Raft messages refused, by reason (the `raft_refused` metric).
+    refused: RaftRefusals,
+    /// When a refusal was last logged, and how many were not logged since: a flood
+    /// of them is counted in full but logged once a second.
+    refusal_log: Mutex<(Option<Instant>, u64)>,
 }
 
+/// Refusals logged at most this often (each is counted).
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(1);
+
 impl Seat {
-    pub(crate) fn new(options: SetOptions, token: &JobToken) -> Result<Arc<Seat>, Error> {
+    pub(crate) fn new(
+        options: SetOptions,
+        token: &JobToken,
+        refused: RaftRefusals,
+    ) -> Result<Arc<Seat>, Error> {
         options.validate()?;
-        let saved = FileVotes::load(&options.state_file)?;
+        let (saved, age) = FileVotes::load_with_age(&options.state_file)?;
+        if saved.term > MAX_TERM {
+            tracing::error!(
+                id = options.id,
+                term = saved.term,
+                "the Raft state {} holds term {}, above {MAX_TERM}, the highest whose \
+                 quorum ids rise with the term: quorum ids stay valid, but rise only by \
+                 what the groups report. Stop every lighthouse of the set, run `phalanx \
+                 lighthouse --reset-state` with each one's flags, and start them again \
+                 (docs/lighthouse-set.md)",
+                options.state_file.display(),
+                saved.term
+            );
+        }
         let voters = (1..=options.peers.len() as u64).collect();
         let leadership = Leadership::new(
             options.id,
@@ -147,7 +263,8 @@ impl Seat {
             Box::new(FileVotes(options.state_file.clone())),
             Instant::now(),
         )
-        .map_err(Error::InvalidConfig)?;
+        .map_err(Error::InvalidConfig)?
+        .with_saved_age(age);
         let mut outboxes = Vec::new();
         let mut senders = Vec::new();
         for (i, address) in options.peers.iter().enumerate() {
@@ -173,6 +290,8 @@ impl Seat {
             serving: watch::channel(None).0,
             stopped: Default::default(),
             newest: Mutex::new(None),
+            refused,
+            refusal_log: Mutex::new((None, 0)),
         });
         for (i, client, rx) in senders {
             tokio::spawn(send_loop(Arc::downgrade(&seat), i, client, rx));
@@ -253,15 +372,87 @@ impl Seat {
         }
     }
 
-    fn receive(&self, envelope: Envelope) {
+    /// Takes in a peer's message, and its word on the job's newest state, which came
+    /// over a connection from `peer`; a message `Leadership::check` refuses is
+    /// counted, logged naming its sender, and answered with the reason.
+    fn receive(
+        &self,
+        envelope: Envelope,
+        newest: Option<Identity>,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Result<(), Status> {
         // A stopping lighthouse is out of the set at once, though its port lingers
         // for the grace of open calls: the others elect without it.
         if self.stopped.load(std::sync::atomic::Ordering::Relaxed) {
-            return;
+            return Ok(());
         }
-        let out = self.lock().receive(envelope, Instant::now());
+        let now = Instant::now();
+        let checked = {
+            let l = self.lock();
+            l.check(&envelope, now).map_err(|why| (why, l.term()))
+        };
+        if let Err((why, term)) = checked {
+            return Err(self.refuse(&envelope, peer, why, term, now));
+        }
+        // Before the message: it may make this lighthouse serve, and serving starts
+        // from the newest state known.
+        if let Some(newest) = newest {
+            self.learn_newest(newest);
+        }
+        let out = self.lock().receive(envelope, now);
         self.dispatch(out);
         self.wake.notify_one();
+        Ok(())
+    }
+
+    fn refuse(
+        &self,
+        envelope: &Envelope,
+        peer: Option<std::net::SocketAddr>,
+        why: Refusal,
+        term: u64,
+        now: Instant,
+    ) -> Status {
+        self.refused
+            .get_or_create(&vec![("reason", why.reason())])
+            .inc();
+        let m = &envelope.message;
+        let peer = peer.map_or_else(|| "an unknown address".to_string(), |a| a.to_string());
+        let sender = format!(
+            "a {:?} said to be from lighthouse {} ({}), sent from {peer}",
+            m.get_msg_type(),
+            m.from,
+            self.address_of(m.from).unwrap_or("not a member")
+        );
+        let fix = match why {
+            Refusal::Term { .. } => {
+                "; a lighthouse's token is the job's: find the process at that address. \
+                 If the set's terms really are this high, stop every lighthouse and run \
+                 `phalanx lighthouse --reset-state` for each (docs/lighthouse-set.md)"
+            }
+            _ => "; only lighthouses of the set send Raft messages, and never this one",
+        };
+        let message = format!(
+            "lighthouse {} (term {term}) refused {sender}: {why}{fix}",
+            self.options.id
+        );
+        let mut log = self.refusal_log.lock().unwrap_or_else(|e| e.into_inner());
+        if log.0.is_none_or(|at| now >= at + REFUSAL_LOG_EVERY) {
+            let unlogged = std::mem::take(&mut log.1);
+            *log = (Some(now), 0);
+            drop(log);
+            tracing::warn!(
+                from = m.from,
+                peer = %peer,
+                term = m.term,
+                reason = why.reason(),
+                unlogged,
+                "{message}"
+            );
+        } else {
+            log.1 += 1;
+        }
+        Status::invalid_argument(message)
     }
 
     /// What this lighthouse sees of the set, for `/status`.
@@ -381,17 +572,23 @@ impl lighthouse_set_server::LighthouseSet for SetService {
         &self,
         request: Request<proto::RaftEnvelope>,
     ) -> Result<Response<proto::RaftReceived>, Status> {
+        // The connection's peer, from the door that let it in.
+        let peer = request
+            .extensions()
+            .get::<crate::door::Ticket>()
+            .map(|ticket| ticket.peer())
+            .or_else(|| request.remote_addr());
         let request = request.into_inner();
         let message = raft::eraftpb::Message::parse_from_bytes(&request.message)
             .map_err(|e| Status::invalid_argument(format!("malformed Raft message: {e}")))?;
-        if let Some(newest) = request.newest {
-            self.seat.learn_newest(newest.into());
-        }
-        self.seat.receive(Envelope {
+        let envelope = Envelope {
             message,
             sent_us: request.sent_us,
             echo_us: request.echo_us,
-        });
+        };
+        // A refused sender's word on the job's newest state is not taken either.
+        self.seat
+            .receive(envelope, request.newest.map(Into::into), peer)?;
         Ok(Response::new(proto::RaftReceived {}))
     }
 }

@@ -57,6 +57,32 @@ fn bench_heartbeats(
     })
 }
 
+/// Sends one Raft heartbeat to the lighthouse of a set at `address`, as member
+/// `sender` of the set to member `to`, at `term` (committing `commit`), with the job
+/// token: what a buggy or hostile token holder can send. Raises what it answers.
+#[pyfunction]
+#[pyo3(signature = (address, sender, to, term, commit = 0, token = None))]
+fn send_raft_heartbeat(
+    py: Python<'_>,
+    address: String,
+    sender: u64,
+    to: u64,
+    term: u64,
+    commit: u64,
+    token: Option<String>,
+) -> PyResult<()> {
+    let mut message = raft::eraftpb::Message::default();
+    message.set_msg_type(raft::eraftpb::MessageType::MsgHeartbeat);
+    message.from = sender;
+    message.to = to;
+    message.term = term;
+    message.commit = commit;
+    let token = JobToken::new(token);
+    wait(py, async move {
+        crate::lighthouse::set::send_raft(&address, &token, message).await
+    })
+}
+
 /// Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback
 /// TCP connections (blocking threads, no framing, no checksum).
 #[pyfunction]
@@ -88,6 +114,7 @@ pub(super) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_heartbeats, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_raw_tcp, &m)?)?;
     m.add_function(wrap_pyfunction!(damage_next_chunks, &m)?)?;
+    m.add_function(wrap_pyfunction!(send_raft_heartbeat, &m)?)?;
     parent.add_submodule(&m)?;
     py.import("sys")?
         .getattr("modules")?
