@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
 use phalanx::lighthouse::client::LighthouseClient;
-use phalanx::lighthouse::leadership::Timing;
+use phalanx::lighthouse::leadership::{Timing, IDS_PER_TERM};
 use phalanx::lighthouse::set::SetOptions;
 use phalanx::lighthouse::{self, LighthouseOptions};
 use phalanx::proto;
@@ -139,7 +139,8 @@ async fn one_serves_the_others_name_it_and_a_successor_issues_higher_ids() {
         quorum.quorum_id > first.quorum_id,
         "{quorum:?} after {first:?}"
     );
-    assert!(quorum.quorum_id >> 32 > first.quorum_id >> 32);
+    // A later term's floor (`quorum_id_floor`): above every id of the earlier term.
+    assert!(quorum.quorum_id / IDS_PER_TERM > first.quorum_id / IDS_PER_TERM);
     assert!(stopped_at.elapsed() < PATIENCE);
     for handle in handles.into_iter().flatten() {
         handle.shutdown().await;
