@@ -396,3 +396,35 @@ def test_a_set_at_a_bad_term_is_brought_back_by_resetting_its_state(spawn, tmp_p
     assert set_view(addresses[leader])["term"] < 1000
     rank = start_rank(spawn, ",".join(addresses), "a", steps=100000)
     rank.expect(lambda line: line.get("committed"), 90, "a committed step after the reset")
+
+
+def test_a_member_whose_state_file_was_deleted_rejoins_a_set_at_any_term(spawn, tmp_path):
+    # Members 2 and 3 have run for a long time (term 5000); member 1's state says
+    # term 0: reset on its own while the others ran, as it must not be.
+    far = 5000
+    for i in (2, 3):
+        (tmp_path / f"lighthouse-{i}.raft").write_text(f"{far} 0 {far}\n")
+    (tmp_path / "lighthouse-1.raft").write_text("0 0\n")
+    lighthouses, addresses = start_set(spawn, tmp_path)
+    leader = serving(addresses, 30)
+    assert leader != 0 and set_view(addresses[leader])["term"] > far
+    # It refuses the set's term (counted, logged), and stays out of the set.
+    assert until(lambda: raft_refused(addresses[0], "term") > 0, 10), set_view(addresses[0])
+    logged(lighthouses[0], "refused", f"said to be from lighthouse {leader + 1}")
+    assert set_view(addresses[0])["term"] == 0
+
+    # Its state file deleted while the others run (which Raft allows), it takes the
+    # leader it hears at its word, and follows it.
+    lighthouses[0].signal(signal.SIGTERM)
+    assert lighthouses[0].wait(timeout=30) == 0
+    (tmp_path / "lighthouse-1.raft").unlink()
+    again = spawn("lighthouse-1-again", set_argv(addresses, 1, tmp_path))
+    again.expect(lambda line: "listening" in line.get("text", ""), 30, "listens")
+
+    def follows() -> bool:
+        view = set_view(addresses[0])
+        return bool(view) and view["leader"] == leader + 1 and view["term"] > far
+
+    assert until(follows, 10), set_view(addresses[0])
+    assert raft_refused(addresses[0], "term") == 0
+    assert saved_term(tmp_path / "lighthouse-1.raft") > far

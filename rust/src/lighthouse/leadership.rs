@@ -164,10 +164,14 @@ pub struct Leadership {
     heard: BTreeMap<u64, Instant>,
     disk: Box<dyn VoteStore>,
     saved: Saved,
-    /// The term this member started with, and how long before its start that state
-    /// was written: the ground `term_ceiling` grows from.
-    start_term: u64,
-    saved_age: Duration,
+    /// The ground `term_ceiling` grows from: a term, when this member had it, and how
+    /// long before that it was written (the saved state's age at start).
+    ground_term: u64,
+    ground_at: Instant,
+    ground_age: Duration,
+    /// It started with no saved state at all (a new member, or one whose state file
+    /// was deleted): it has nothing to judge a term by until its term first changes.
+    fresh: bool,
 }
 
 /// Why a message from a peer was not taken in (`Leadership::check`).
@@ -306,23 +310,37 @@ impl Leadership {
             echo: BTreeMap::new(),
             heard: BTreeMap::new(),
             disk,
-            start_term: saved.term,
+            ground_term: saved.term,
+            ground_at: now,
+            ground_age: Duration::ZERO,
+            fresh: false,
             saved,
-            saved_age: Duration::ZERO,
         })
     }
 
     /// Says that the saved state this member started from was written `age` before
     /// its start (a file's age): the set may have gone on electing meanwhile.
     pub fn with_saved_age(mut self, age: Duration) -> Self {
-        self.saved_age = age;
+        self.ground_age = age;
+        self
+    }
+
+    /// Says that this member starts with no saved state at all (no state file): a
+    /// new member, or one whose file was deleted while the others ran. The set's
+    /// term may be anything by now, so the first leader it hears (a heartbeat or an
+    /// append) is taken at its word; from its first change of term on, terms are
+    /// judged from there. A hostile first message can take only this member out of
+    /// the set (the others judge its messages by their own ground), until its file
+    /// is deleted again. A set reset with `--reset-state` has files, so is not fresh.
+    pub fn starting_fresh(mut self) -> Self {
+        self.fresh = true;
         self
     }
 
     /// The highest term a peer's message may carry at `now` (`term_ceiling`).
     pub fn term_ceiling(&self, now: Instant) -> u64 {
-        let elapsed = self.saved_age + now.saturating_duration_since(self.epoch);
-        term_ceiling(self.start_term, elapsed, &self.timing)
+        let elapsed = self.ground_age + now.saturating_duration_since(self.ground_at);
+        term_ceiling(self.ground_term, elapsed, &self.timing)
     }
 
     /// Whether a message from a peer may be taken in at `now`: of a kind phalanx's
@@ -352,8 +370,9 @@ impl Leadership {
         if m.log_term > m.term || m.entries.iter().any(|e| e.term > m.term || !entry_ok(e)) {
             return Err(Refusal::Entry);
         }
+        let from_a_leader = matches!(m.get_msg_type(), MsgHeartbeat | MsgAppend);
         let ceiling = self.term_ceiling(now);
-        if m.term > self.node.raft.term && m.term > ceiling {
+        if m.term > self.node.raft.term && m.term > ceiling && !(self.fresh && from_a_leader) {
             return Err(Refusal::Term {
                 term: m.term,
                 ceiling,
@@ -573,6 +592,10 @@ impl Leadership {
         self.stamp(&mut out, messages, now);
         self.node.advance_apply();
         self.forget_old_acks();
+        if self.fresh && self.node.raft.term != self.ground_term {
+            (self.ground_term, self.ground_at) = (self.node.raft.term, now);
+            self.fresh = false;
+        }
         out
     }
 
@@ -789,6 +812,49 @@ mod tests {
         // The set goes on serving in its term.
         let now = run(&mut nodes, now, 2, &[true, true, true]);
         assert_eq!(nodes[leader].serving(now), Some(term));
+    }
+
+    #[test]
+    fn a_member_without_saved_state_joins_a_set_at_any_term_and_judges_from_there() {
+        let start = Instant::now();
+        let node = |saved: Saved| {
+            Leadership::new(
+                1,
+                vec![1, 2, 3],
+                Timing::default(),
+                saved,
+                Box::new(NoDisk),
+                start,
+            )
+            .unwrap()
+        };
+        let far = 1 << 30;
+        // A member whose state was reset (term 0 on file) refuses the far term...
+        let mut reset = node(Saved::default());
+        assert!(matches!(
+            reset.check(&heartbeat(2, 1, far), start),
+            Err(Refusal::Term { .. })
+        ));
+        reset.receive(heartbeat(2, 1, far), start);
+        assert_eq!(reset.term(), 0);
+        // ...one with no state at all takes the leader it hears, not a vote request.
+        let mut fresh = node(Saved::default()).starting_fresh();
+        let mut vote = heartbeat(2, 1, far);
+        vote.message.set_msg_type(MessageType::MsgRequestPreVote);
+        assert!(matches!(
+            fresh.check(&vote, start),
+            Err(Refusal::Term { .. })
+        ));
+        fresh.receive(heartbeat(2, 1, far), start);
+        assert_eq!(fresh.term(), far);
+        assert_eq!(fresh.leader(), Some(2));
+        // From there on it judges as any member: the next elections, yes; a jump, no.
+        let later = start + Duration::from_secs(1);
+        assert_eq!(fresh.check(&heartbeat(3, 1, far + 2), later), Ok(()));
+        assert!(matches!(
+            fresh.check(&heartbeat(3, 1, far + 10 * TERM_SLACK), later),
+            Err(Refusal::Term { .. })
+        ));
     }
 
     #[test]

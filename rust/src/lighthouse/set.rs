@@ -240,6 +240,7 @@ impl Seat {
         refused: RaftRefusals,
     ) -> Result<Arc<Seat>, Error> {
         options.validate()?;
+        let fresh = !options.state_file.exists();
         let (saved, age) = FileVotes::load_with_age(&options.state_file)?;
         if saved.term > MAX_TERM {
             tracing::error!(
@@ -265,6 +266,11 @@ impl Seat {
         )
         .map_err(Error::InvalidConfig)?
         .with_saved_age(age);
+        let leadership = if fresh {
+            leadership.starting_fresh()
+        } else {
+            leadership
+        };
         let mut outboxes = Vec::new();
         let mut senders = Vec::new();
         for (i, address) in options.peers.iter().enumerate() {
