@@ -114,8 +114,8 @@ pub struct LighthouseFlags {
     /// Deleting it while another member is down can elect two leaders.
     #[arg(long, value_name = "FILE", requires = "peers")]
     pub state_file: Option<PathBuf>,
-    /// Rewrite this member's --state-file to a fresh member's (term 0) and exit,
-    /// without serving: for a set whose Raft term went where it should not. Refused
+    /// Rewrite this member's --state-file to term 0, no vote, and exit without
+    /// serving: for a set whose Raft term went where it should not. Refused
     /// while any member of --peers answers; stop them all, reset each, start them
     /// all (docs/lighthouse-set.md).
     #[arg(long, requires = "peers")]

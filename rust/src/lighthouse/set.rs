@@ -128,9 +128,10 @@ impl VoteStore for FileVotes {
     }
 }
 
-/// `phalanx lighthouse --reset-state`: rewrites this member's Raft state to a fresh
-/// member's (term 0, no vote, an empty log), for a set whose terms went where they
-/// should not (docs/lighthouse-set.md). Refused while any member of the set answers
+/// `phalanx lighthouse --reset-state`: rewrites this member's Raft state to term 0,
+/// no vote, an empty log, for a set whose terms went where they should not
+/// (docs/lighthouse-set.md). The file stays: a member with a file judges the terms
+/// it hears from it, where one without takes the first leader it hears. Refused while any member of the set answers
 /// on its address: Raft's safety needs every member reset together, none running.
 /// Returns what it did, for the operator.
 pub fn reset_state(options: &SetOptions) -> Result<String, Error> {
@@ -159,7 +160,7 @@ pub fn reset_state(options: &SetOptions) -> Result<String, Error> {
         })?;
     Ok(format!(
         "the Raft state {} of lighthouse {} held term {}, vote {} and {} log entries; it \
-         holds a fresh member's now (term 0). Reset every other member the same way, then \
+         holds term 0 now, no vote, no log. Reset every other member the same way, then \
          start them all: quorum ids go on from the highest the groups report",
         path.display(),
         options.id,
@@ -182,7 +183,7 @@ fn answers(address: &str) -> bool {
 
 /// Sends one Raft message to the lighthouse at `address` as a member of its set would
 /// (with `token`, the job's): what a buggy or hostile token holder can send, for the
-/// tests (`phalanx._core._testing.send_raft`).
+/// tests (`phalanx._core._testing.send_raft_heartbeat`).
 pub async fn send_raft(
     address: &str,
     token: &JobToken,
