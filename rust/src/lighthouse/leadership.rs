@@ -182,7 +182,8 @@ pub enum Refusal {
     /// A kind of message phalanx's Raft never sends to a peer.
     Kind(MessageType),
     /// It carries a log entry no leader of phalanx appends (with data, of another
-    /// type, or of a term above the message's own).
+    /// type, or of a term above the message's own), or acknowledges one this
+    /// lighthouse's log does not hold.
     Entry,
 }
 
@@ -212,8 +213,8 @@ impl std::fmt::Display for Refusal {
             ),
             Refusal::Entry => write!(
                 f,
-                "it carries a log entry no leader appends (the log holds only the empty \
-                 entry of each new leader)"
+                "it carries or acknowledges a log entry no leader appended (the log holds \
+                 only the empty entry of each new leader)"
             ),
         }
     }
@@ -368,6 +369,13 @@ impl Leadership {
         let entry_ok =
             |e: &Entry| e.get_entry_type() == EntryType::EntryNormal && e.data.is_empty();
         if m.log_term > m.term || m.entries.iter().any(|e| e.term > m.term || !entry_ok(e)) {
+            return Err(Refusal::Entry);
+        }
+        // A follower acknowledges only entries its leader sent it, all in the
+        // leader's log: a leader that took a larger index would send from there on,
+        // and with no such entry to send, fall back to snapshots the follower refuses.
+        let last = self.node.raft.raft_log.last_index();
+        if m.get_msg_type() == MsgAppendResponse && !m.reject && m.index > last {
             return Err(Refusal::Entry);
         }
         let from_a_leader = matches!(m.get_msg_type(), MsgHeartbeat | MsgAppend);
@@ -893,6 +901,11 @@ mod tests {
         append.message.entries[0].term = term;
         append.message.entries[0].data = vec![1u8; 8].into();
         assert_eq!(nodes[follower].check(&append, now), Err(Refusal::Entry));
+        let mut ack = heartbeat(from, to, term);
+        ack.message.set_msg_type(MessageType::MsgAppendResponse);
+        ack.message.index = 1 << 40;
+        assert_eq!(nodes[leader].check(&ack, now), Err(Refusal::Entry));
+        nodes[leader].receive(ack, now);
         let now = run(&mut nodes, now, 2, &[true, true, true]);
         assert_eq!(
             nodes[leader].serving(now),
