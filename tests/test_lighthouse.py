@@ -269,5 +269,34 @@ def test_bad_server_settings_are_refused_naming_the_setting():
         phalanx.LighthouseServer(min_replicas=0)
     with pytest.raises(ValueError, match="heartbeat-timeout"):
         phalanx.LighthouseServer(heartbeat_timeout=0.001)
+    for groups in (0, -1, 1_000_001):
+        with pytest.raises(ValueError, match="max_groups must be 1 to 1000000"):
+            phalanx.LighthouseServer(max_groups=groups)
     with phalanx.LighthouseServer() as taken, pytest.raises(ConnectionError, match="cannot listen"):
         phalanx.LighthouseServer(bind=taken.address)
+
+
+@pytest.mark.slow
+def test_a_lighthouse_carries_more_groups_than_it_once_admitted_connections():
+    """4,500 groups, each on a connection of its own (as groups connect), above the
+    4,096 connections a lighthouse admitted whatever it was to serve: every one live.
+    The load's streams and the lighthouse share this process's descriptors; both
+    raise the limit for what they hold."""
+    from phalanx._core import _testing
+
+    groups = 4_500
+    with phalanx.LighthouseServer(heartbeat_timeout=10.0, max_groups=5_000) as lighthouse:
+        seen: list[float] = []
+
+        def live() -> bool:
+            _, text = http_get(f"http://{lighthouse.address}/metrics")
+            (value,) = re.findall(r"^phalanx_lighthouse_live_replicas (\S+)$", text, re.M)
+            seen.append(float(value))
+            return seen[-1] == groups
+
+        with ThreadPoolExecutor(1) as load:
+            beating = load.submit(
+                _testing.bench_heartbeats, lighthouse.address, groups, 1.0, 20.0, groups
+            )
+            wait_until(live, 60.0, f"{groups} groups live")
+        assert beating.result(timeout=60) > 0

@@ -272,6 +272,7 @@ class LighthouseServer:
         id: int | None = None,
         state_file: str | None = None,
         rollback_after: float | None = None,
+        max_groups: int | None = None,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
         wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
@@ -286,7 +287,12 @@ class LighthouseServer:
         `rollback_after`: how long the job waits for a group holding its newest
         committed state to come back (from a cut, a pause) before it goes on from an
         older one as a new lineage, announced; a group known to be gone is not waited
-        for."""
+        for.
+
+        `max_groups` (1 to 1,000,000; default 10,000): how many replica groups it is
+        ready to serve. It admits a connection for each and a quarter more, and raises
+        the process's file-descriptor limit to match (a warning says what it can serve
+        where the hard limit does not allow it)."""
     @property
     def address(self) -> str:
         """host:port for clients."""

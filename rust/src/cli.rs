@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+use clap::builder::TypedValueParser;
 use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
@@ -83,6 +84,11 @@ pub struct LighthouseFlags {
     /// evicted) is not waited for.
     #[arg(long, env = "PHALANX_ROLLBACK_AFTER", default_value = ROLLBACK_AFTER.as_str(), value_parser = parse_duration)]
     pub rollback_after: Duration,
+    /// How many replica groups it is ready to serve: it admits a connection for each,
+    /// and a quarter more (groups reconnecting, scrapes, operators), and raises its own
+    /// file-descriptor limit to match, or says what it can serve when it may not.
+    #[arg(long, env = "PHALANX_MAX_GROUPS", default_value_t = Tuning::DEFAULT.max_groups, value_parser = clap::value_parser!(u32).range(1..=1_000_000).map(|n| n as usize))]
+    pub max_groups: usize,
     /// Job token; with it set, every request without it is refused. Visible to other
     /// users of this host in the process list: prefer --token-file. [env: PHALANX_TOKEN]
     #[arg(long)]
@@ -274,7 +280,7 @@ impl LighthouseArgs {
             rollback_after: flags.rollback_after,
             token: JobToken::new(token),
             insecure: flags.insecure,
-            connections: GateLimits::RPC,
+            connections: GateLimits::lighthouse(flags.max_groups),
         })
     }
 }
@@ -514,6 +520,28 @@ mod tests {
         }
         if std::env::var_os("PHALANX_ROLLBACK_AFTER").is_none() {
             assert_eq!(args.rollback_after, defaults.rollback_after);
+        }
+        if std::env::var_os("PHALANX_MAX_GROUPS").is_none() {
+            assert_eq!(args.max_groups, defaults.max_groups);
+        }
+    }
+
+    #[test]
+    fn the_connection_cap_follows_the_groups_the_lighthouse_is_ready_to_serve() {
+        let options = |args: &[&str]| parsed(args).unwrap().options(|_| None).unwrap();
+        assert_eq!(
+            options(&["--max-groups", "20000"])
+                .connections
+                .max_connections,
+            20_000 + 5_000 + 256
+        );
+        if std::env::var_os("PHALANX_MAX_GROUPS").is_none() {
+            let admitted = options(&[]).connections.max_connections;
+            assert!(admitted > 10_000, "10,000 groups by default: {admitted}");
+        }
+        for bad in ["0", "1000001", "many"] {
+            let refused = parsed(&["--max-groups", bad]).unwrap_err().to_string();
+            assert!(refused.contains("--max-groups"), "{bad}: {refused}");
         }
     }
     fn parsed(args: &[&str]) -> Result<LighthouseArgs, clap::Error> {

@@ -37,13 +37,32 @@ pub struct GateLimits {
 }
 
 impl GateLimits {
-    /// The lighthouse and a manager server: every group (or rank) keeps one connection.
+    /// A manager server: every rank of its group keeps one connection, and so do the
+    /// other groups' ranks that meet in its rendezvous store.
     pub const RPC: GateLimits = GateLimits {
         max_connections: 4096,
         max_unproven: 256,
         prove_within: Duration::from_secs(5),
         idle: Duration::from_secs(60),
     };
+    /// The lighthouse of a job (or jobs) of up to `groups` replica groups: each keeps
+    /// one connection, and one that reconnects after a cut holds a second until the old
+    /// one's keepalive gives up on it; beyond those, room for scrapes of the status page
+    /// and metrics, operators' calls and the set's own peers. The unproven cap does not
+    /// grow with it: a flood stays as small as ever.
+    ///
+    /// ```
+    /// use phalanx::gate::GateLimits;
+    /// assert_eq!(GateLimits::lighthouse(10_000).max_connections, 12_756);
+    /// assert_eq!(GateLimits::lighthouse(10_000).max_unproven, GateLimits::RPC.max_unproven);
+    /// ```
+    pub fn lighthouse(groups: usize) -> GateLimits {
+        GateLimits {
+            max_connections: groups.saturating_add(groups / 4).saturating_add(256),
+            ..GateLimits::RPC
+        }
+    }
+
     /// A rank's state server: a few connections per healing rank, during a heal.
     pub const STATE: GateLimits = GateLimits {
         max_connections: 1024,

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod cli;
 pub mod door;
 mod error;
+pub mod fdlimit;
 pub mod gate;
 pub mod lighthouse;
 /// Load generators for the benchmarks (`phalanx._core._testing`).

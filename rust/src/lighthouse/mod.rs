@@ -24,6 +24,7 @@ use tonic::service::Routes;
 
 use crate::auth::{self, JobToken};
 use crate::door::Door;
+use crate::fdlimit;
 use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
 use crate::proto::lighthouse_set_server::LighthouseSetServer;
@@ -52,6 +53,9 @@ pub struct Tuning {
     /// How long the job waits for a group holding its newest state to come back
     /// (after a cut, a pause) before it goes back to an older one (see `newest`).
     pub rollback_after: Duration,
+    /// How many replica groups it is ready to serve: its connection cap and the file
+    /// descriptors it asks for follow from it (`GateLimits::lighthouse`).
+    pub max_groups: usize,
 }
 
 impl Tuning {
@@ -60,6 +64,7 @@ impl Tuning {
         join_timeout: Duration::from_secs(1),
         heartbeat_timeout: Duration::from_secs(2),
         rollback_after: Duration::from_secs(30),
+        max_groups: 10_000,
     };
 }
 
@@ -87,7 +92,7 @@ impl Default for LighthouseOptions {
             heartbeat_timeout: Tuning::DEFAULT.heartbeat_timeout,
             rollback_after: Tuning::DEFAULT.rollback_after,
             token: JobToken::default(),
-            connections: GateLimits::RPC,
+            connections: GateLimits::lighthouse(Tuning::DEFAULT.max_groups),
             insecure: false,
         }
     }
@@ -203,6 +208,10 @@ pub async fn serve_in_set(
     let routes = routes
         .into_axum_router()
         .merge(http::router(shared.clone(), options.token.clone()));
+    let admitted = options.connections.max_connections;
+    if let Some(warning) = fdlimit::ensure(admitted, &format!("its {admitted} connections")) {
+        tracing::warn!("{warning}");
+    }
     let door = Door::new(options.connections, shared.metrics.refusals.clone());
     let mut handle = server::spawn(listener, Vec::new(), routes.into(), shutdown, door);
     if let Some(seat) = seat {

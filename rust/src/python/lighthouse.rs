@@ -28,7 +28,7 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -42,6 +42,7 @@ impl LighthouseServer {
         id: Option<u64>,
         state_file: Option<std::path::PathBuf>,
         rollback_after: Option<f64>,
+        max_groups: Option<i64>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
         let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
@@ -59,7 +60,9 @@ impl LighthouseServer {
                 seconds("rollback_after", s)
             })?,
             token: JobToken::new(token),
-            connections: GateLimits::RPC,
+            connections: GateLimits::lighthouse(
+                max_groups.map_or(Ok(defaults.max_groups), groups)?,
+            ),
             insecure,
         };
         let handle = wait(py, lighthouse::serve_in_set(options, set))?;
@@ -190,6 +193,17 @@ fn parse_duration(text: &str) -> PyResult<f64> {
 }
 
 /// The lighthouse's defaults by option name, timeouts in seconds.
+/// `max_groups` from Python: what `--max-groups` accepts.
+fn groups(n: i64) -> PyResult<usize> {
+    match usize::try_from(n) {
+        Ok(n @ 1..=1_000_000) => Ok(n),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "max_groups must be 1 to 1000000 (the replica groups the lighthouse is ready to \
+             serve), got {n}"
+        ))),
+    }
+}
+
 fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let tuning = Tuning::DEFAULT;
     let out = PyDict::new(py);
@@ -197,6 +211,7 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     out.set_item("join_timeout", tuning.join_timeout.as_secs_f64())?;
     out.set_item("heartbeat_timeout", tuning.heartbeat_timeout.as_secs_f64())?;
     out.set_item("rollback_after", tuning.rollback_after.as_secs_f64())?;
+    out.set_item("max_groups", tuning.max_groups)?;
     Ok(out)
 }
 
