@@ -56,13 +56,13 @@ pub fn ensure(connections: usize, what: &str) -> Option<String> {
             std::io::Error::last_os_error()
         ));
     }
-    let (soft, hard) = (limit.rlim_cur as u64, limit.rlim_max as u64);
+    let (soft, hard) = (limit.rlim_cur, limit.rlim_max);
     let raise_to = match plan(soft, hard, needed) {
         Plan::Enough => return None,
         Plan::Raise(to) | Plan::Short { raise_to: to, .. } => to,
     };
     let raised = libc::rlimit {
-        rlim_cur: raise_to as libc::rlim_t,
+        rlim_cur: raise_to,
         rlim_max: limit.rlim_max,
     };
     // SAFETY: setrlimit reads the struct it is given.
