@@ -213,8 +213,12 @@ async fn wait_until_joined(
     }
 }
 
+/// Connections the heartbeat load opens at once (see `heartbeats`).
+const OPENING_AT_ONCE: usize = 64;
+
 /// Keeps `replicas` heartbeat streams open, each beating `hz` times a second, over
-/// `connections` connections, for `duration`. Returns the beats sent.
+/// `connections` connections, for `duration`; every stream reads what the lighthouse
+/// sends it (a lease per beat), as a group does. Returns the beats sent.
 pub async fn heartbeats(
     address: &str,
     token: &JobToken,
@@ -224,9 +228,17 @@ pub async fn heartbeats(
     duration: Duration,
 ) -> Result<u64, Error> {
     let connections = connections.clamp(1, replicas.max(1));
+    if let Some(warning) = crate::fdlimit::ensure(connections, "the load's connections") {
+        return Err(Error::InvalidConfig(warning));
+    }
     let period = Duration::from_secs_f64(1.0 / hz.max(0.001));
+    // Groups come up over a while, not in one instant: at most this many connections
+    // are being opened at once, below the lighthouse's cap on unproven ones (a burst
+    // past it crowds out its own handshakes, and only a group retries).
+    let opening = Arc::new(tokio::sync::Semaphore::new(OPENING_AT_ONCE));
     let mut tasks = Vec::new();
     for c in 0..connections {
+        let opening = opening.clone();
         let client = LighthouseClient::new(address, token, Duration::from_secs(10))?;
         let ids: Vec<String> = (c..replicas)
             .step_by(connections)
@@ -234,19 +246,22 @@ pub async fn heartbeats(
             .collect();
         tasks.push(tokio::spawn(async move {
             let mut streams = Vec::with_capacity(ids.len());
+            let opened = opening.acquire().await;
             for id in &ids {
                 let (tx, rx) = mpsc::channel(2);
                 tx.send(beat(id)).await.ok();
-                let events = client.heartbeat(rx, Duration::from_secs(10)).await?;
-                streams.push((tx, events));
+                let mut events = client.heartbeat(rx, Duration::from_secs(10)).await?;
+                tokio::spawn(async move { while let Ok(Some(_)) = events.message().await {} });
+                streams.push(tx);
             }
+            drop(opened);
             let deadline = Instant::now() + duration;
             let mut ticker = tokio::time::interval(period);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut sent = 0u64;
             while Instant::now() < deadline {
                 ticker.tick().await;
-                for (tx, _) in &streams {
+                for tx in &streams {
                     if tx.try_send(beat("")).is_ok() {
                         sent += 1;
                     }

@@ -620,31 +620,38 @@ mod tests {
         assert!(answer.is_none(), "asked again by a call");
     }
 
-    /// Beats `beats` until an acknowledgement of beat `seq` or later comes back;
-    /// returns the quorum it names.
+    /// Beats `beats` (every 20 ms: the lighthouse leaves a beat unacknowledged when it
+    /// renewed the same lease moments ago) until one is acknowledged; returns the
+    /// quorum its lease names.
     async fn acknowledged(
         events: &mut Streaming<proto::LighthouseEvent>,
         beats: &mpsc::Sender<proto::Beat>,
         seq: &mut u64,
     ) -> u64 {
-        *seq += 1;
-        let beat = proto::Beat {
-            protocol_version: PROTOCOL_VERSION,
-            seq: *seq,
-            ..Default::default()
-        };
-        beats.send(beat).await.expect("the stream takes beats");
-        loop {
-            let event = bounded("an acknowledgement", events.message()).await;
-            match event
-                .expect("the stream lives")
-                .expect("the stream is open")
-                .event
-            {
-                Some(Event::Lease(lease)) if lease.seq >= *seq => return lease.quorum_id,
-                _ => {}
+        let first = *seq + 1;
+        let leased = async {
+            loop {
+                *seq += 1;
+                let beat = proto::Beat {
+                    protocol_version: PROTOCOL_VERSION,
+                    seq: *seq,
+                    ..Default::default()
+                };
+                beats.send(beat).await.expect("the stream takes beats");
+                let next = Duration::from_millis(20);
+                while let Ok(event) = tokio::time::timeout(next, events.message()).await {
+                    match event
+                        .expect("the stream lives")
+                        .expect("the stream is open")
+                        .event
+                    {
+                        Some(Event::Lease(lease)) if lease.seq >= first => return lease.quorum_id,
+                        _ => {}
+                    }
+                }
             }
-        }
+        };
+        bounded("an acknowledgement", leased).await
     }
 
     /// Opens a heartbeat stream for `replica_id`, again while the lighthouse still
