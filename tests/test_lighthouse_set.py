@@ -412,6 +412,8 @@ def test_a_member_whose_state_file_was_deleted_rejoins_a_set_at_any_term(spawn, 
     assert until(lambda: raft_refused(addresses[0], "term") > 0, 10), set_view(addresses[0])
     logged(lighthouses[0], "refused", f"said to be from lighthouse {leader + 1}")
     assert set_view(addresses[0])["term"] == 0
+    # The sender hears why, and says so too.
+    logged(lighthouses[leader], "a Raft message of this lighthouse was refused", "lighthouse 1")
 
     # Its state file deleted while the others run (which Raft allows), it takes the
     # leader it hears at its word, and follows it.

@@ -551,6 +551,9 @@ async fn send_loop(
     mut client: LighthouseSetClient<Authed>,
     mut outbox: mpsc::Receiver<Envelope>,
 ) {
+    // A member that refuses this one's messages says why; said here too, so that the
+    // operator of either side sees it, once a refusal log interval at most.
+    let mut warned: Option<Instant> = None;
     while let Some(envelope) = outbox.recv().await {
         let Some(newest) = seat.upgrade().map(|seat| seat.newest()) else {
             return;
@@ -563,8 +566,22 @@ async fn send_loop(
         };
         let sent = tokio::time::timeout(Duration::from_millis(500), client.raft(request)).await;
         let Some(seat) = seat.upgrade() else { return };
-        if matches!(sent, Ok(Ok(_))) {
-            seat.reached.lock().unwrap_or_else(|e| e.into_inner())[index] = Some(Instant::now());
+        match sent {
+            Ok(Ok(_)) => {
+                seat.reached.lock().unwrap_or_else(|e| e.into_inner())[index] =
+                    Some(Instant::now());
+            }
+            Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
+                if warned.is_none_or(|at| at.elapsed() >= REFUSAL_LOG_EVERY) {
+                    warned = Some(Instant::now());
+                    tracing::warn!(
+                        to = index + 1,
+                        "a Raft message of this lighthouse was refused: {}",
+                        status.message()
+                    );
+                }
+            }
+            _ => {}
         }
     }
 }
