@@ -16,6 +16,7 @@ from phalanx.process_group import (
     CollectiveFailed,
     FaultTolerantProcessGroup,
     Membership,
+    Pending,
     backend_for,
 )
 
@@ -156,6 +157,34 @@ def test_a_rank_that_exits_right_after_dropping_a_group_mid_collective_exits_cle
     child.expect(lambda line: line.get("event") == "leaving", 30, "rank 0 drops its group")
     peer.reset()  # the peer's sockets close: rank 0's collective fails, its destructor returns
     assert child.wait(timeout=30) == 0, child.describe()
+
+
+class QueuedOnDevice:
+    """A collective's work as NCCL hands it out: its future is done once queued."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.waited, self.fails = 0, fails
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.future.set_result([torch.ones(1)])
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def wait(self) -> bool:
+        self.waited += 1
+        if self.fails:
+            raise RuntimeError("NCCL communicator was aborted")
+        return True
+
+
+def test_a_device_collective_orders_the_callers_stream_after_it_and_a_host_one_does_not():
+    on_device, on_host = QueuedOnDevice(), QueuedOnDevice()
+    Pending(on_device, Abort(), 5.0, on_device=True).wait()
+    Pending(on_host, Abort(), 5.0).wait()
+    assert (on_device.waited, on_host.waited) == (1, 0)
+    with pytest.raises(CollectiveFailed, match="communicator was aborted") as failed:
+        Pending(QueuedOnDevice(fails=True), Abort(), 5.0, on_device=True).wait()
+    assert failed.value.from_backend
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")

@@ -169,7 +169,7 @@ class FaultTolerantProcessGroup:
             work = self._group.allreduce([tensor], options)
         except RuntimeError as e:
             raise CollectiveFailed(f"all-reduce could not start: {e}", from_backend=True) from e
-        return Pending(work, abort, self._timeout.total_seconds())
+        return Pending(work, abort, self._timeout.total_seconds(), on_device=tensor.is_cuda)
 
 
 class _Build:
@@ -270,10 +270,18 @@ class Abort:
 
 class Pending:
     """A started collective. `wait()` returns when it completes, or raises
-    `CollectiveFailed` at its deadline or as soon as `abort` is set."""
+    `CollectiveFailed` at its deadline or as soon as `abort` is set.
 
-    def __init__(self, work: dist.Work | None, abort: Abort, timeout: float):
+    `on_device`: the collective runs on a CUDA stream of its own (NCCL). Its future is
+    done once the work is queued there, not once it ran, so `wait()` then also makes
+    the caller's current stream wait for it: what the caller queues next (the average's
+    division, the optimizer) reads the result, not the buffer before it."""
+
+    def __init__(
+        self, work: dist.Work | None, abort: Abort, timeout: float, on_device: bool = False
+    ):
         self._work = work
+        self._on_device = on_device
         self._abort = abort
         self._timeout = timeout
         self._done = threading.Event()
@@ -306,3 +314,8 @@ class Pending:
             raise CollectiveFailed(
                 f"all-reduce failed: {self._error}", from_backend=True
             ) from self._error
+        if self._on_device and self._work is not None:
+            try:
+                self._work.wait()  # orders the current stream after NCCL's; no host wait
+            except RuntimeError as e:
+                raise CollectiveFailed(f"all-reduce failed: {e}", from_backend=True) from e
