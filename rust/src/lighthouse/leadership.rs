@@ -240,7 +240,8 @@ pub const TERM_SLACK: u64 = 1_000;
 /// old (down for a month) gets a bound grown by that month.
 ///
 /// A hostile or buggy sender can push the term up to this bound and no further: at
-/// most `TERM_SLACK` at once, and then no faster than the fastest storm. From term 0
+/// most `TERM_SLACK` at once, and then no faster than twice the fastest storm, each
+/// raise costing the set an election. From term 0
 /// with the default timing the bound reaches `MAX_TERM` after 81 years of that. It
 /// is not capped there: a set past `MAX_TERM` (its quorum ids still valid, see
 /// `quorum_id_floor`) must still elect, and its operator resets it at leisure
