@@ -571,15 +571,16 @@ async fn send_loop(
                 seat.reached.lock().unwrap_or_else(|e| e.into_inner())[index] =
                     Some(Instant::now());
             }
-            Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
-                if warned.is_none_or(|at| at.elapsed() >= REFUSAL_LOG_EVERY) {
-                    warned = Some(Instant::now());
-                    tracing::warn!(
-                        to = index + 1,
-                        "a Raft message of this lighthouse was refused: {}",
-                        status.message()
-                    );
-                }
+            Ok(Err(status))
+                if status.code() == tonic::Code::InvalidArgument
+                    && warned.is_none_or(|at| at.elapsed() >= REFUSAL_LOG_EVERY) =>
+            {
+                warned = Some(Instant::now());
+                tracing::warn!(
+                    to = index + 1,
+                    "a Raft message of this lighthouse was refused: {}",
+                    status.message()
+                );
             }
             _ => {}
         }
