@@ -43,3 +43,14 @@ def test_snapshot_cost_quick():
         assert large["resume"][cache]["resume_s"] > 0
         assert large["resume"][cache]["raw_read_s"] > 0
     assert set(large["write_hold"]) == {"snapshot", "plain", "idle"}
+
+
+def test_scale_curve_quick():
+    result = run_quick("scale_curve.py", timeout=120)
+    assert result["bench"] == "scale_curve"
+    assert [row["groups"] for row in result["sizes"]] == [8, 16]
+    for row in result["sizes"]:
+        assert row["steady_p99_ms"] >= row["steady_p50_ms"] > 0
+        assert row["change_p50_ms"] > 0 and row["crash_told_ms"] > 0
+        assert row["lighthouse_rss_mib"] > 0 and row["rounds"] == 300
+    assert result["sizes"][0]["crash_told_ratio"] == 1.0

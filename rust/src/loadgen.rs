@@ -119,11 +119,7 @@ pub async fn quorum_rounds(
 ) -> Result<Vec<RoundTiming>, Error> {
     let status = LighthouseClient::new(address, token, timeout)?;
     let extra_client = LighthouseClient::new(address, token, timeout)?;
-    let mut groups = Vec::with_capacity(replicas);
-    for g in 0..replicas {
-        let client = LighthouseClient::new(address, token, timeout)?;
-        groups.push(Group::open(&client, format!("group-{g:05}"), timeout).await?);
-    }
+    let mut groups = open_groups(address, token, "group", replicas, timeout).await?;
     let mut timings = Vec::with_capacity(rounds);
     let mut extra = None;
     // Round 0 forms the first quorum; it is not reported.
@@ -186,6 +182,119 @@ pub async fn quorum_rounds(
         }
     }
     Ok(timings)
+}
+
+/// `replicas` groups named `<prefix>-<n>`, each on a connection of its own, opened
+/// `OPENING_AT_ONCE` at a time.
+async fn open_groups(
+    address: &str,
+    token: &JobToken,
+    prefix: &str,
+    replicas: usize,
+    timeout: Duration,
+) -> Result<Vec<Group>, Error> {
+    if let Some(warning) = crate::fdlimit::ensure(replicas, "the load's connections") {
+        return Err(Error::InvalidConfig(warning));
+    }
+    let opening = Arc::new(tokio::sync::Semaphore::new(OPENING_AT_ONCE));
+    let mut tasks = Vec::with_capacity(replicas);
+    for g in 0..replicas {
+        let client = LighthouseClient::new(address, token, timeout)?;
+        let (opening, replica_id) = (opening.clone(), format!("{prefix}-{g:05}"));
+        tasks.push(tokio::spawn(async move {
+            let _opening = opening.acquire().await;
+            Group::open(&client, replica_id, timeout).await
+        }));
+    }
+    let mut groups = Vec::with_capacity(replicas);
+    for task in tasks {
+        groups.push(
+            task.await
+                .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))??,
+        );
+    }
+    Ok(groups)
+}
+
+/// Asks every group for the next quorum at once; returns them and the quorum's id.
+async fn ask_all(groups: Vec<Group>, timeout: Duration) -> Result<(Vec<Group>, u64), Error> {
+    let tasks: Vec<_> = groups
+        .into_iter()
+        .map(|mut group| {
+            tokio::spawn(async move {
+                let quorum_id = group.ask(timeout).await;
+                (group, quorum_id)
+            })
+        })
+        .collect();
+    let (mut groups, mut quorum_id) = (Vec::with_capacity(tasks.len()), 0);
+    for task in tasks {
+        let (group, id) = task
+            .await
+            .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))?;
+        quorum_id = id?;
+        groups.push(group);
+    }
+    Ok((groups, quorum_id))
+}
+
+/// `replicas` groups, each on its own connection, and for each of `trials` one more
+/// that joins their quorum and then crashes (its heartbeat stream dropped, its
+/// connection with it). Returns, per trial, the time from the drop until every other
+/// group has been told of the loss on its stream.
+pub async fn crash_told(
+    address: &str,
+    token: &JobToken,
+    replicas: usize,
+    trials: usize,
+    timeout: Duration,
+) -> Result<Vec<Duration>, Error> {
+    let mut groups = open_groups(address, token, "group", replicas, timeout).await?;
+    let mut told = Vec::with_capacity(trials);
+    for trial in 0..trials {
+        let victim = open_groups(address, token, &format!("crash{trial}"), 1, timeout).await?;
+        groups.extend(victim);
+        let quorum_id;
+        (groups, quorum_id) = ask_all(groups, timeout).await?;
+        let victim = groups.pop().expect("the victim asked last");
+        let dropped = Instant::now();
+        drop(victim);
+        let tasks: Vec<_> = groups
+            .drain(..)
+            .map(|mut group| {
+                tokio::spawn(async move {
+                    let heard = tokio::time::timeout(timeout, async {
+                        loop {
+                            match group.events.message().await {
+                                Ok(Some(proto::LighthouseEvent {
+                                    event: Some(Event::MembershipLost(lost)),
+                                })) if lost.quorum_id == quorum_id => return Ok(Instant::now()),
+                                Ok(Some(_)) => {}
+                                Ok(None) | Err(_) => {
+                                    return Err(Error::InvalidConfig(
+                                        "a survivor's stream ended".into(),
+                                    ))
+                                }
+                            }
+                        }
+                    })
+                    .await
+                    .map_err(|_| Error::InvalidConfig("a survivor was never told".into()));
+                    (group, heard)
+                })
+            })
+            .collect();
+        let mut last = dropped;
+        for task in tasks {
+            let (group, heard) = task
+                .await
+                .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))?;
+            last = last.max(heard??);
+            groups.push(group);
+        }
+        told.push(last - dropped);
+    }
+    Ok(told)
 }
 
 /// Waits until the lighthouse lists `replica_id` as asking for the next quorum.

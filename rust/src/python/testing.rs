@@ -2,6 +2,8 @@
 //! and yardsticks for `benches/`, and the hook that damages a state server's chunks
 //! for the tests of a heal. None of it is part of the training API.
 
+use std::time::Duration;
+
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
@@ -35,6 +37,26 @@ fn bench_quorum_rounds(
         .into_iter()
         .map(|t| (t.latency.as_secs_f64(), t.changed, t.quorum_id))
         .collect())
+}
+
+/// Benchmark load: `replicas` groups in a quorum; in each of `trials` one more joins
+/// it and crashes. Returns the seconds until every other group was told, per trial.
+#[pyfunction]
+#[pyo3(signature = (address, replicas, trials, timeout = 30.0, token = None))]
+fn bench_crash_told(
+    py: Python<'_>,
+    address: String,
+    replicas: usize,
+    trials: usize,
+    timeout: f64,
+    token: Option<String>,
+) -> PyResult<Vec<f64>> {
+    let timeout = seconds("timeout", timeout)?;
+    let token = JobToken::new(token);
+    let told = wait(py, async move {
+        crate::loadgen::crash_told(&address, &token, replicas, trials, timeout).await
+    })?;
+    Ok(told.iter().map(Duration::as_secs_f64).collect())
 }
 
 /// Benchmark load: `replicas` heartbeat streams at `hz` over `connections`
@@ -112,6 +134,7 @@ pub(super) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(bench_quorum_rounds, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_heartbeats, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_crash_told, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_raw_tcp, &m)?)?;
     m.add_function(wrap_pyfunction!(damage_next_chunks, &m)?)?;
     m.add_function(wrap_pyfunction!(send_raft_heartbeat, &m)?)?;

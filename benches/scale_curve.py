@@ -1,0 +1,111 @@
+"""How the lighthouse's costs grow with the job: a sweep over the number of groups.
+
+    python benches/scale_curve.py --sizes 8,64,512,4096,10000
+
+For each size N, a lighthouse of its own process and N groups driven from Rust, each
+on a connection and a heartbeat stream of its own, asking for their quorums on it as
+manager servers do:
+
+- quorum rounds, steady (the same members) and with a change (a group joins, or
+  crashes: its stream dropped), from the last request sent to the last answer;
+- a crash: one more group joins the quorum and its stream is dropped; the time until
+  every one of the N others was told on its stream (`MembershipLost`), per trial;
+- the lighthouse's CPU per second of the rounds, and its resident memory at the end.
+
+Goal: detection and a change's round within 2× of their 8-group values up to 10,000
+groups, and a steady round p99 ≤ 10 ms at 10,000. The driver shares the machine's
+cores with the lighthouse, so the largest sizes measure both; the lighthouse's own
+CPU time says what is its.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from phalanx._core import _testing
+
+from harness import cli_flags, cpu_seconds, lighthouse_process, percentile, report
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process `pid`, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def rounds_for(groups: int) -> int:
+    """Enough rounds for a p99 at small sizes, few enough at 10,000 groups."""
+    return max(30, min(300, 30_000 // groups))
+
+
+def measure(groups: int, trials: int) -> dict[str, float]:
+    # Every group in every quorum from the first round on.
+    flags = cli_flags(join_timeout="1s", heartbeat_timeout="10s", min_replicas=groups)
+    with lighthouse_process(*flags, "--max-groups", str(groups + 64)) as (address, pid):
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        timings = _testing.bench_quorum_rounds(
+            address, groups, rounds_for(groups), change_every=5, timeout=120.0
+        )
+        cpu_per_s = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        rss = rss_mib(pid)
+    # The crashed group is in each trial's quorum: the quorum waits for it.
+    flags = cli_flags(join_timeout="1s", heartbeat_timeout="10s", min_replicas=groups + 1)
+    with lighthouse_process(*flags, "--max-groups", str(groups + 64)) as (address, _):
+        told = _testing.bench_crash_told(address, groups, trials, timeout=120.0)
+    steady = [s * 1e3 for s, changed, _ in timings if not changed]
+    change = [s * 1e3 for s, changed, _ in timings if changed]
+    return {
+        "groups": groups,
+        "steady_p50_ms": round(percentile(steady, 50), 3),
+        "steady_p99_ms": round(percentile(steady, 99), 3),
+        "change_p50_ms": round(percentile(change, 50), 3),
+        "crash_told_ms": round(statistics.median(told) * 1e3, 3),
+        "crash_told_max_ms": round(max(told) * 1e3, 3),
+        "lighthouse_cpu_per_s": round(cpu_per_s, 3),
+        "lighthouse_rss_mib": round(rss, 1),
+        "rounds": len(timings),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8,64,512,4096,10000")
+    parser.add_argument("--trials", type=int, default=3, help="crashes per size")
+    parser.add_argument("--quick", action="store_true", help="8 and 16 groups: a smoke run")
+    args = parser.parse_args()
+    sizes = [8, 16] if args.quick else [int(n) for n in args.sizes.split(",")]
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--sizes {args.sizes!r}: give group counts, e.g. 8,64,512")
+
+    rows = [measure(n, args.trials) for n in sizes]
+    base = rows[0]
+
+    def ratio(row: dict[str, float], key: str) -> float:
+        return round(row[key] / base[key], 2) if base[key] else float("nan")
+
+    for row in rows:
+        row["crash_told_ratio"] = ratio(row, "crash_told_ms")
+        row["change_ratio"] = ratio(row, "change_p50_ms")
+    report(
+        f"scale curve: {', '.join(map(str, sizes))} groups, ratios to {base['groups']}",
+        [
+            (
+                f"{row['groups']} groups",
+                f"steady {row['steady_p50_ms']:.2f}/{row['steady_p99_ms']:.2f} ms, "
+                f"change {row['change_p50_ms']:.2f} ms ({row['change_ratio']}x), "
+                f"crash told {row['crash_told_ms']:.1f} ms ({row['crash_told_ratio']}x), "
+                f"CPU {row['lighthouse_cpu_per_s']:.2f}/s, RSS {row['lighthouse_rss_mib']:.0f} MiB",
+            )
+            for row in rows
+        ],
+        {"bench": "scale_curve", "sizes": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()
