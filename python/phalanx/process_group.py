@@ -177,7 +177,8 @@ class _Build:
     deadline of ours: gloo waits for a peer's connection up to five times its timeout,
     and a peer that gave up on the build (refused by a third one that died, say) never
     connects. A build given up on runs to its end on its thread, which then drops
-    what it built; the thread is not a daemon, for the reason `reset()` gives."""
+    what it built; the thread is not a daemon, for the reason `reset()` gives. It
+    builds on the caller's current CUDA device, if any (NCCL binds to it)."""
 
     def __init__(self, connect: Callable[..., tuple[dist.ProcessGroup, Store]], args: tuple):
         self._lock = threading.Lock()
@@ -185,11 +186,21 @@ class _Build:
         self._built: tuple[dist.ProcessGroup, Store] | None = None
         self._error: BaseException | None = None
         self._given_up = False
-        threading.Thread(target=self._run, args=(connect, args), name="phalanx-build-pg").start()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        threading.Thread(
+            target=self._run, args=(connect, args, device), name="phalanx-build-pg"
+        ).start()
 
-    def _run(self, connect: Callable[..., tuple[dist.ProcessGroup, Store]], args: tuple) -> None:
+    def _run(
+        self,
+        connect: Callable[..., tuple[dist.ProcessGroup, Store]],
+        args: tuple,
+        device: int | None,
+    ) -> None:
         built, error = None, None
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             built = connect(*args)
         except BaseException as e:  # handed to the waiting thread
             error = e
