@@ -744,6 +744,16 @@ mod tests {
         assert!(quorum_id_floor(serving[0].term()) > quorum_id_floor(old_term));
     }
 
+    /// A set of three that elected a leader: its nodes, the time, the leader's index
+    /// and a follower's.
+    fn settled() -> (Vec<Leadership>, Instant, usize, usize) {
+        let start = Instant::now();
+        let mut nodes = set(start);
+        let now = run(&mut nodes, start, 4, &[true, true, true]);
+        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
+        (nodes, now, leader, (leader + 1) % 3)
+    }
+
     #[test]
     fn an_echo_of_a_time_not_yet_come_neither_panics_nor_stretches_the_lease() {
         let start = Instant::now();
@@ -796,11 +806,7 @@ mod tests {
 
     #[test]
     fn one_heartbeat_at_an_absurd_term_is_refused_and_written_nowhere() {
-        let start = Instant::now();
-        let mut nodes = set(start);
-        let now = run(&mut nodes, start, 4, &[true, true, true]);
-        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
-        let follower = (leader + 1) % 3;
+        let (mut nodes, now, leader, follower) = settled();
         let saves = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         nodes[follower].disk = Box::new(Saves(saves.clone()));
         let term = nodes[follower].term();
@@ -868,11 +874,7 @@ mod tests {
 
     #[test]
     fn messages_phalanx_never_sends_are_refused() {
-        let start = Instant::now();
-        let mut nodes = set(start);
-        let now = run(&mut nodes, start, 4, &[true, true, true]);
-        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
-        let follower = (leader + 1) % 3;
+        let (mut nodes, now, leader, follower) = settled();
         let (from, to, term) = (
             nodes[follower].id(),
             nodes[leader].id(),
@@ -917,11 +919,7 @@ mod tests {
 
     #[test]
     fn a_heartbeat_committing_past_the_log_does_not_panic() {
-        let start = Instant::now();
-        let mut nodes = set(start);
-        let now = run(&mut nodes, start, 4, &[true, true, true]);
-        let leader = nodes.iter().position(|n| n.serving(now).is_some()).unwrap();
-        let follower = (leader + 1) % 3;
+        let (mut nodes, now, leader, follower) = settled();
         let (from, to, term) = (
             nodes[leader].id(),
             nodes[follower].id(),
