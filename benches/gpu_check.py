@@ -51,6 +51,7 @@ from harness import (
     mlp_and_batches,
     report,
     start_worker,
+    timed_steps,
     worker_results,
 )
 
@@ -691,25 +692,20 @@ def run_step_worker(args: argparse.Namespace) -> None:
         )
         wrapped = phalanx.DistributedDataParallel(model, manager)
         optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
-    times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            cpu = time.process_time()
-        x, y = batches[i % len(batches)]
-        start = time.perf_counter()
+
+    def step(x, y):
         optimizer.zero_grad()
         nn.functional.mse_loss(wrapped(x), y).backward()
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    cpu_ms = (time.process_time() - cpu) / args.steps * 1e3
+
+    median_ms, cpu_ms = timed_steps(step, batches, args.warmup, args.steps)
     from phalanx.demo.train import fingerprint
 
     committed = manager.current_step() if args.worker == "phalanx" else args.warmup + args.steps
     line = {
-        "median_ms": statistics.median(times) * 1e3,
+        "median_ms": median_ms,
         "cpu_ms": cpu_ms,
         # Every rank applied the same averaged gradients: the same parameters, bit for bit.
         "fingerprint": fingerprint(list(model.state_dict().values())),

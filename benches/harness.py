@@ -8,11 +8,12 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,24 @@ def report(title: str, rows: Sequence[tuple[str, object]], result: dict) -> None
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{name:<{width}}  {shown}")
     print(json.dumps(result), flush=True)
+
+
+def timed_steps(
+    step: Callable[[object, object], None], batches: Sequence, warmup: int, steps: int
+) -> tuple[float, float]:
+    """Runs `step(x, y)` over `batches` for `warmup` steps, then `steps` timed ones;
+    returns the median step's wall time and the CPU time per timed step, in ms. `step`
+    must end when its work did (synchronize a device in it)."""
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            cpu = time.process_time()
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        step(x, y)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, (time.process_time() - cpu) / steps * 1e3
 
 
 def mlp_and_batches(width: int, seed: int):

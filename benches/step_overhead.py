@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ from harness import (
     passed_on,
     report,
     start_worker,
+    timed_steps,
     worker_results,
 )
 
@@ -46,11 +46,6 @@ def run_worker(args: argparse.Namespace) -> None:
         )
         ddp = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step(x, y):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            optimizer.step()
     else:
         import phalanx
 
@@ -58,22 +53,13 @@ def run_worker(args: argparse.Namespace) -> None:
         ddp = phalanx.DistributedDataParallel(model, manager)
         optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
 
-        def step(x, y):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            optimizer.step()
+    def step(x, y):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
 
-    times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            cpu = time.process_time()
-        x, y = batches[i % len(batches)]
-        start = time.perf_counter()
-        step(x, y)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    cpu_ms = (time.process_time() - cpu) / args.steps * 1e3
-    print(json.dumps({"median_ms": statistics.median(times) * 1e3, "cpu_ms": cpu_ms}), flush=True)
+    median_ms, cpu_ms = timed_steps(step, batches, args.warmup, args.steps)
+    print(json.dumps({"median_ms": median_ms, "cpu_ms": cpu_ms}), flush=True)
     if args.worker == "torch":
         dist.destroy_process_group()
     else:
