@@ -1,6 +1,7 @@
 """Heal throughput: S MB of model-like state (a few hundred tensors of mixed sizes)
-healed from K source processes into a freshly started receiver process, against raw
-loopback TCP measured in the same run.
+healed from K source processes into a freshly started receiver process, against a
+plain gloo transfer of the same tensors in place and raw loopback TCP, measured in the
+same run.
 
     python benches/recovery.py --size-mb 1024 --sources 1
 
@@ -9,11 +10,17 @@ Each receiver is a new process holding its own tensors of the same shapes, as a
 training process does; it times `heal()` from its start until every tensor is loaded
 in place and every chunk verified, and records its peak memory above what it held
 before. Bit-identity is checked afterwards (untimed) against the sources' digest.
-Right after each heal, plain TCP between two sockets moves the same number of bytes
-(the best of 2 and of as many connections as the heal uses): `ratio_to_raw` is the
-median over the runs of heal throughput / that raw throughput, so that drifting load
-on a shared machine hits both sides of each ratio alike (min and max are reported
-too). `gb_per_s` is the median heal, `raw_tcp_gb_per_s` the median raw run.
+Right after each heal come two yardsticks. First torch alone: a fresh gloo sender and
+a fresh gloo receiver process, each holding the same tensors (the receiver's allocated
+and touched, as the heal's are), build a gloo group of two and move every tensor with
+`isend`/`irecv` straight into the receiver's tensors; only that transfer is timed, not
+the group's rendezvous. `ratio_to_gloo_inplace` is the median over the runs of heal
+throughput / gloo throughput (goal: 1.0 or more with one source). Then plain TCP
+between two sockets moves the same number of bytes (the best of 2 and of as many
+connections as the heal uses): `ratio_to_raw`. Each ratio pairs runs made one right
+after the other, so that drifting load on a shared machine hits both sides alike (min
+and max are reported too). `gb_per_s` is the median heal, `gloo_inplace_gb_per_s` and
+`raw_tcp_gb_per_s` the median yardsticks.
 
     python benches/recovery.py --size-mb 256 --sources 3 --link-mbit 2000   # as root
 
@@ -40,7 +47,7 @@ import torch
 from phalanx._core import _testing
 from phalanx.recovery import StateHost, heal
 
-from harness import Link, NoLink, capped_links, report
+from harness import Link, NoLink, capped_links, free_port, report
 
 QUORUM_ID = 1
 STEP = 100
@@ -148,6 +155,51 @@ def run_receiver(args: argparse.Namespace) -> None:
     print(json.dumps(result), flush=True)
 
 
+def run_gloo(args: argparse.Namespace) -> None:
+    """One end of the gloo yardstick: the same tensors sent with torch.distributed's
+    point-to-point calls over a gloo group of two, rank 1 receiving straight into its
+    own (allocated, touched) tensors. Only the transfer is timed, from a barrier that
+    both ends pass once the group is built until the last tensor has arrived."""
+    import torch.distributed as dist
+
+    sending = args.role == "gloo-sender"
+    state = build_state(model_like_shapes(args.size_mb), fill=sending)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.gloo_port}",
+        rank=0 if sending else 1,
+        world_size=2,
+    )
+    try:
+        dist.barrier()
+        started = time.perf_counter()
+        if sending:
+            works = [dist.isend(t, dst=1) for t in state.values()]
+        else:
+            works = [dist.irecv(t, src=0) for t in state.values()]
+        for work in works:
+            work.wait()
+        seconds = time.perf_counter() - started
+    finally:
+        dist.destroy_process_group()
+    if not sending:
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        print(json.dumps({"seconds": seconds, "bytes": nbytes, "digest": digest(state)}))
+
+
+def gloo_once(args: argparse.Namespace, digest: str) -> float:
+    """Seconds of one gloo transfer of the state into a fresh receiver process."""
+    port = str(free_port())
+    ends = [spawn(role, args, "--gloo-port", port) for role in ("gloo-sender", "gloo-receiver")]
+    outs = [end.communicate(timeout=600)[0] for end in ends]
+    if any(end.returncode != 0 for end in ends):
+        raise SystemExit(f"the gloo yardstick failed ({[end.returncode for end in ends]})")
+    run = json.loads(outs[1].strip().splitlines()[-1])
+    if run["digest"] != digest:
+        raise SystemExit("the gloo yardstick delivered other bytes than the sources hold")
+    return run["seconds"]
+
+
 def spawn(role: str, args: argparse.Namespace, *extra: str, prefix=()) -> subprocess.Popen:
     argv = [sys.executable, __file__, "--role", role, "--size-mb", str(args.size_mb), *extra]
     return subprocess.Popen(
@@ -211,10 +263,15 @@ def raw_seconds(nbytes: int, connection_counts: list[int]) -> float:
     return min(_testing.bench_raw_tcp(nbytes, n) for n in connection_counts)
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}, {max(values):.3f})"
+
+
 def drive(args: argparse.Namespace) -> None:
-    """Each heal is followed at once by its raw TCP yardstick, so that both see the
-    same machine (on a shared machine the load drifts between runs); the ratio of
-    each pair is what the median, min and max are taken over."""
+    """Each heal is followed at once by its two yardsticks, plain gloo in place and
+    raw TCP, so that all three see the same machine (on a shared machine the load
+    drifts between runs); the ratio of each pair is what the median, min and max are
+    taken over."""
     if args.link_mbit:
         return drive_links(args)
     connections = args.sources * args.connections_per_source
@@ -223,11 +280,15 @@ def drive(args: argparse.Namespace) -> None:
     with serving(args, args.sources) as (addresses, digest):
         for _ in range(args.repeat):
             run = heal_once(args, addresses, digest)
+            run["gloo_seconds"] = gloo_once(args, digest)
             run["raw_seconds"] = raw_seconds(run["bytes"], counts)
             run["ratio"] = run["raw_seconds"] / run["seconds"]
+            run["gloo_ratio"] = run["gloo_seconds"] / run["seconds"]
             runs.append(run)
     nbytes = runs[0]["bytes"]
     ratios = [r["ratio"] for r in runs]
+    gloo_ratios = [r["gloo_ratio"] for r in runs]
+    median_gloo = nbytes / statistics.median(r["gloo_seconds"] for r in runs) / 1e9
     median_seconds = statistics.median(r["seconds"] for r in runs)
     median_raw = nbytes / statistics.median(r["raw_seconds"] for r in runs) / 1e9
     best = min(runs, key=lambda r: r["seconds"])
@@ -235,21 +296,22 @@ def drive(args: argparse.Namespace) -> None:
         ("state", f"{nbytes / 2**20:.0f} MiB in {best['tensors']} tensors"),
         ("sources x connections", f"{args.sources} x {args.connections_per_source}"),
         ("heal runs (s)", ", ".join(f"{r['seconds']:.3f}" for r in runs)),
+        ("gloo in place runs (s)", ", ".join(f"{r['gloo_seconds']:.3f}" for r in runs)),
         ("raw TCP runs (s)", ", ".join(f"{r['raw_seconds']:.3f}" for r in runs)),
         (
             "heal median / best GB/s",
             f"{nbytes / median_seconds / 1e9:.2f} / {nbytes / best['seconds'] / 1e9:.2f}",
         ),
+        ("gloo in place median GB/s (1 connection)", median_gloo),
         (f"raw TCP median GB/s ({' or '.join(map(str, counts))} connections)", median_raw),
         ("of which the byte transfer, best run (s)", f"{best['fetch_seconds']:.3f}"),
         ("tensors filled in place", f"{best['in_place']} of {best['tensors']}"),
         ("chunks fetched again", sum(r["refetches"] for r in runs)),
         ("peak extra RSS (MB)", max(r["peak_extra_rss_mb"] for r in runs)),
+        ("ratio to gloo in place, per run", ", ".join(f"{x:.2f}" for x in gloo_ratios)),
+        ("ratio to gloo in place, median (min, max)", spread(gloo_ratios)),
         ("ratio to raw, per run", ", ".join(f"{x:.2f}" for x in ratios)),
-        (
-            "ratio to raw, median (min, max)",
-            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}, {max(ratios):.3f})",
-        ),
+        ("ratio to raw, median (min, max)", spread(ratios)),
     ]
     report(
         "recovery: heal into a fresh process",
@@ -262,6 +324,10 @@ def drive(args: argparse.Namespace) -> None:
             "seconds": round(median_seconds, 4),
             "gb_per_s": round(nbytes / median_seconds / 1e9, 3),
             "best_gb_per_s": round(nbytes / best["seconds"] / 1e9, 3),
+            "gloo_inplace_gb_per_s": round(median_gloo, 3),
+            "ratio_to_gloo_inplace": round(statistics.median(gloo_ratios), 3),
+            "ratio_to_gloo_inplace_min": round(min(gloo_ratios), 3),
+            "ratio_to_gloo_inplace_max": round(max(gloo_ratios), 3),
             "raw_tcp_gb_per_s": round(median_raw, 3),
             "ratio_to_raw": round(statistics.median(ratios), 3),
             "ratio_to_raw_min": round(min(ratios), 3),
@@ -320,7 +386,11 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=5, help="fresh receivers; the median ratio is reported"
     )
-    parser.add_argument("--role", choices=["driver", "source", "receiver"], default="driver")
+    parser.add_argument(
+        "--role",
+        choices=["driver", "source", "receiver", "gloo-sender", "gloo-receiver"],
+        default="driver",
+    )
     parser.add_argument(
         "--link-mbit",
         type=float,
@@ -329,8 +399,16 @@ def main() -> None:
     )
     parser.add_argument("--addresses", default="")
     parser.add_argument("--bind", default="127.0.0.1:0")
+    parser.add_argument("--gloo-port", type=int, default=0)
+    parser.add_argument(
+        "--quick", action="store_true", help="a small state and 2 runs: that it still runs"
+    )
     args = parser.parse_args()
-    {"driver": drive, "source": run_source, "receiver": run_receiver}[args.role](args)
+    if args.quick:
+        args.size_mb, args.repeat = min(args.size_mb, 16), min(args.repeat, 2)
+    roles = {"driver": drive, "source": run_source, "receiver": run_receiver}
+    roles |= {"gloo-sender": run_gloo, "gloo-receiver": run_gloo}
+    roles[args.role](args)
 
 
 if __name__ == "__main__":

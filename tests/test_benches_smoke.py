@@ -54,3 +54,11 @@ def test_scale_curve_quick():
         assert row["change_p50_ms"] > 0 and row["crash_told_ms"] > 0
         assert row["lighthouse_rss_mib"] > 0 and row["rounds"] == 300
     assert result["sizes"][0]["crash_told_ratio"] == 1.0
+
+
+def test_recovery_quick():
+    result = run_quick("recovery.py", timeout=120)
+    assert result["bench"] == "recovery"
+    assert result["gb_per_s"] > 0 and result["gloo_inplace_gb_per_s"] > 0
+    for name in ("ratio_to_gloo_inplace", "ratio_to_raw"):
+        assert result[f"{name}_min"] <= result[name] <= result[f"{name}_max"]
