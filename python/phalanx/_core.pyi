@@ -273,6 +273,8 @@ class LighthouseServer:
         state_file: str | None = None,
         rollback_after: float | None = None,
         max_groups: int | None = None,
+        max_jobs: int | None = None,
+        forget_jobs_after: float | None = None,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
         wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
@@ -313,8 +315,15 @@ class LighthouseClient:
     another serves."""
 
     def __init__(
-        self, address: str, token: str | None = None, connect_timeout: float = 5.0
-    ) -> None: ...
+        self,
+        address: str,
+        token: str | None = None,
+        connect_timeout: float = 5.0,
+        job: str | None = None,
+        job_rules: str | None = None,
+    ) -> None:
+        """Every request is for job `job` (None: the default job), its group declaring
+        `job_rules` ("min_replicas=2,join_timeout_ms=500"; see `ManagerServer`)."""
     def quorum(
         self,
         replica_id: str,
@@ -353,9 +362,20 @@ class ManagerServer:
         init_sync: bool = True,
         token: str | None = None,
         also_bind: str | None = None,
+        job: str | None = None,
+        job_rules: str | None = None,
     ) -> None:
         """`also_bind`: another host to listen on at the same port, e.g. the
-        advertised host when `bind` is loopback (the group's ranks meet there)."""
+        advertised host when `bind` is loopback (the group's ranks meet there).
+
+        `job`: the job this group is of on a lighthouse that serves many (1 to 64
+        letters, digits, '.', '_', '-'; None: the default job, whose rules are the
+        lighthouse's flags); `token` is then the job's (`job_token`) or the
+        lighthouse's. `job_rules`: the quorum rules the group declares for its job,
+        `key=value` pairs joined by ',' (`min_replicas`, `join_timeout_ms`,
+        `heartbeat_timeout_ms`, `rollback_after_ms`); the job's first group sets them,
+        the lighthouse's defaults fill in the rest, and a group that declares others
+        is refused, both named. ValueError for a bad name or rule."""
     @property
     def address(self) -> str:
         """host:port that the group's ranks and its peers use."""
@@ -547,6 +567,16 @@ class StoreClient:
 
 def run_lighthouse_cli(argv: list[str]) -> int:
     """`phalanx lighthouse ARGS…`: serves until SIGINT/SIGTERM; returns the exit code."""
+
+def job_token(lighthouse_token: str, job: str) -> str:
+    """The token of job `job` on a lighthouse whose own token is `lighthouse_token`:
+    it opens that job's requests, status and metrics, and no other job's; it cannot be
+    turned back into the lighthouse's. ValueError for a bad job name, the default job
+    (its groups take the lighthouse's token) or an empty lighthouse token.
+
+    >>> job_token("secret", "a") == job_token("secret", "a") != job_token("secret", "b")
+    True
+    """
 
 def resolve_token(
     token: str | None = None,

@@ -55,6 +55,12 @@ class Manager:
     `snapshot_keep` (default 2) kept: a job whose every group was lost resumes from the
     newest (see `phalanx.snapshots`).
 
+    `job` (or PHALANX_JOB) names the job on a lighthouse that serves many, each with
+    its own quorums, rules and token (`phalanx token --job`); `job_rules` (or
+    PHALANX_JOB_RULES), e.g. "min_replicas=2,join_timeout_ms=500", the quorum rules
+    its groups declare (see `_core.ManagerServer`). Without them: the lighthouse's one
+    default job, as its flags set it.
+
     >>> import phalanx
     >>> with phalanx.LighthouseServer(join_timeout=0.01) as lighthouse, Manager(
     ...     replica_id="a", lighthouse=lighthouse.address
@@ -88,6 +94,8 @@ class Manager:
         snapshot_dir: str | None = None,
         snapshot_every: int | str | None = None,
         snapshot_keep: int | None = None,
+        job: str | None = None,
+        job_rules: str | None = None,
         settings: ManagerSettings | None = None,
     ):
         if settings is None:

@@ -92,6 +92,8 @@ def _manager_server(s: ManagerSettings) -> _core.ManagerServer:
         heartbeat_interval=s.heartbeat_interval,
         init_sync=s.init_sync,
         token=s.token,
+        job=s.job,
+        job_rules=s.job_rules,
     )
 
 

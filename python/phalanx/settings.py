@@ -146,6 +146,11 @@ class ManagerSettings:
     store_addr: str = "127.0.0.1"
     store_port: int = 0
     token: str | None = None
+    #: The job this group is of, on a lighthouse that serves many (None: the default
+    #: job), and the quorum rules its groups declare ("min_replicas=2,..."; see
+    #: `_core.ManagerServer`).
+    job: str | None = None
+    job_rules: str | None = None
     #: The host peers use to reach this rank's servers (None: `store_addr`).
     advertise_host: str | None = None
     #: Where the tensors of the cross-group collectives live.
@@ -230,6 +235,8 @@ class ManagerSettings:
             store_addr=given.pop("store_addr", None) or env.get("MASTER_ADDR", "127.0.0.1"),
             store_port=int(given.pop("store_port", env.get("MASTER_PORT", "0"))),
             token=resolve_token(given.pop("token", None), None, env.environ),
+            job=given.pop("job", None) or env.get("PHALANX_JOB"),
+            job_rules=given.pop("job_rules", None) or env.get("PHALANX_JOB_RULES"),
             advertise_host=given.pop("advertise_host", None) or env.get("PHALANX_ADVERTISE_HOST"),
             device=env.device(given.pop("device", None)),
             launcher_store_key=env.launcher_store_key(),

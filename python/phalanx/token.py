@@ -64,10 +64,13 @@ def resolve_token(
     )
 
 
-def write_token_file(path: str | os.PathLike[str], force: bool = False) -> None:
-    """Writes a new token to `path`, readable by its owner only (mode 0600), making its
-    folder (mode 0700) if need be. The file appears whole or not at all; an existing
-    one is kept unless `force`, since the jobs that use it would be locked out.
+def write_token_file(
+    path: str | os.PathLike[str], force: bool = False, token: str | None = None
+) -> None:
+    """Writes `token` (default: a new one) to `path`, readable by its owner only
+    (mode 0600), making its folder (mode 0700) if need be. The file appears whole or
+    not at all; an existing one is kept unless `force`, since the jobs that use it
+    would be locked out.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -91,7 +94,7 @@ def write_token_file(path: str | os.PathLike[str], force: bool = False) -> None:
     fd, temporary = _private_temporary(path)
     try:
         with os.fdopen(fd, "w") as file:
-            file.write(new_token() + "\n")
+            file.write((token or new_token()) + "\n")
             file.flush()
             os.fsync(file.fileno())
         if force:
@@ -121,21 +124,51 @@ def _private_temporary(path: Path) -> tuple[int, Path]:
 
 
 def main(argv: list[str]) -> int:
-    """`phalanx token FILE [--force]`."""
+    """`phalanx token FILE [--force]`, `phalanx token --job NAME --lighthouse-token-file
+    LH FILE`."""
     parser = argparse.ArgumentParser(
         prog="phalanx token",
         description="Write a new random job token to FILE, readable by you only (mode "
         "0600), for --token-file / PHALANX_TOKEN_FILE. Copy it to every host of the job "
-        "(keeping it private); the token itself is not printed.",
+        "(keeping it private); the token itself is not printed. With --job, write that "
+        "job's token on a lighthouse that serves many jobs instead: it opens that job "
+        "only, and is derived from the lighthouse's own token, which stays with its "
+        "operator.",
     )
     parser.add_argument("file", type=Path, metavar="FILE")
     parser.add_argument("--force", action="store_true", help="replace an existing FILE")
+    parser.add_argument(
+        "--job", metavar="NAME", help="write the token of job NAME (needs the lighthouse's)"
+    )
+    parser.add_argument(
+        "--lighthouse-token-file",
+        type=Path,
+        metavar="LH",
+        help="with --job: the file of the lighthouse's own token (default: PHALANX_TOKEN, "
+        "PHALANX_TOKEN_FILE)",
+    )
     args = parser.parse_args(argv)
+    token = None
+    if args.job is not None or args.lighthouse_token_file is not None:
+        if args.job is None:
+            parser.error("--lighthouse-token-file goes with --job NAME, the job to write for")
+        try:
+            secret = resolve_token(None, args.lighthouse_token_file, os.environ)
+            if secret is None:
+                raise ValueError(
+                    "--job needs the lighthouse's own token: give --lighthouse-token-file "
+                    "or set PHALANX_TOKEN_FILE"
+                )
+            token = _core.job_token(secret, args.job)
+        except ValueError as e:
+            print(f"phalanx token: {e}", file=sys.stderr)
+            return 2
     try:
-        write_token_file(args.file, force=args.force)
+        write_token_file(args.file, force=args.force, token=token)
     except OSError as e:
         why = str(e) if e.strerror is None else f"cannot write {args.file}: {e.strerror}"
         print(f"phalanx token: {why}", file=sys.stderr)
         return 1
-    print(f"wrote a new job token to {args.file} (mode 0600); use it with --token-file {args.file}")
+    what = "a new job token" if token is None else f"the token of job {args.job}"
+    print(f"wrote {what} to {args.file} (mode 0600); use it with --token-file {args.file}")
     return 0

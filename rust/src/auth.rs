@@ -8,6 +8,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use tonic::metadata::{Ascii, MetadataValue};
 use tonic::{service::Interceptor, Request, Status};
 
 use crate::door::Ticket;
@@ -32,6 +33,34 @@ impl JobToken {
     /// `Bearer <token>`, for callers to send.
     pub fn header_value(&self) -> Option<String> {
         self.0.as_ref().map(|t| format!("Bearer {t}"))
+    }
+
+    /// The token of job `job` under this one, the lighthouse's own: its HMAC-SHA256 of
+    /// the job's name, in hex. A lighthouse serving many jobs hands each job's groups
+    /// their job's token only (`phalanx token --job`): it opens that job's requests
+    /// and no other's, and cannot be turned back into the lighthouse's. None without
+    /// a token.
+    ///
+    /// ```
+    /// use phalanx::auth::JobToken;
+    /// let secret = JobToken::new(Some("lighthouse secret".into()));
+    /// let a = secret.for_job("a");
+    /// assert!(a.is_set() && a.header_value() != secret.for_job("b").header_value());
+    /// assert_eq!(a.header_value(), secret.for_job("a").header_value());
+    /// assert!(!JobToken::default().for_job("a").is_set());
+    /// ```
+    pub fn for_job(&self, job: &str) -> JobToken {
+        use hmac::{Hmac, Mac};
+        let Some(secret) = &self.0 else {
+            return JobToken(None);
+        };
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes())
+            .expect("HMAC takes a key of any length");
+        mac.update(b"phalanx job token\0");
+        mac.update(job.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        JobToken(Some(hex.into()))
     }
 
     /// Does `presented` (the raw header value, or a bare token) open the door?
@@ -88,27 +117,47 @@ impl Interceptor for JobToken {
     }
 }
 
-/// Adds the token to every outgoing request of a client.
+/// Adds the token, and any other metadata it was given (the job a lighthouse client's
+/// requests are for, see `lighthouse::jobs`), to every outgoing request of a client.
 #[derive(Clone)]
-pub struct AttachToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+pub struct AttachToken {
+    token: Option<MetadataValue<Ascii>>,
+    also: Vec<(&'static str, MetadataValue<Ascii>)>,
+}
 
 impl AttachToken {
     pub fn new(token: &JobToken) -> Result<Self, String> {
-        token
+        let token = token
             .header_value()
             .map(|v| {
                 v.parse()
                     .map_err(|_| "the job token must be printable ASCII".to_string())
             })
-            .transpose()
-            .map(AttachToken)
+            .transpose()?;
+        Ok(AttachToken {
+            token,
+            also: Vec::new(),
+        })
+    }
+
+    /// Also sends `key: value` on every request.
+    pub fn with(mut self, key: &'static str, value: &str) -> Result<Self, String> {
+        let value = value
+            .parse()
+            .map_err(|_| format!("{key} {value:?} must be printable ASCII"))?;
+        self.also.push((key, value));
+        Ok(self)
     }
 }
 
 impl Interceptor for AttachToken {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(v) = &self.0 {
-            request.metadata_mut().insert(AUTHORIZATION, v.clone());
+        let metadata = request.metadata_mut();
+        if let Some(v) = &self.token {
+            metadata.insert(AUTHORIZATION, v.clone());
+        }
+        for (key, value) in &self.also {
+            metadata.insert(*key, value.clone());
         }
         Ok(request)
     }

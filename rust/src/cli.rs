@@ -14,7 +14,7 @@ use crate::auth::{self, JobToken, TokenSource};
 use crate::gate::GateLimits;
 use crate::lighthouse::leadership::Timing;
 use crate::lighthouse::set::SetOptions;
-use crate::lighthouse::{self, LighthouseOptions, Tuning};
+use crate::lighthouse::{self, JobLimits, LighthouseOptions, Tuning};
 use crate::Error;
 
 /// The default timeouts as `--help` shows them and clap parses them back.
@@ -24,6 +24,8 @@ static HEARTBEAT_TIMEOUT: LazyLock<String> =
     LazyLock::new(|| duration_text(Tuning::DEFAULT.heartbeat_timeout));
 static ROLLBACK_AFTER: LazyLock<String> =
     LazyLock::new(|| duration_text(Tuning::DEFAULT.rollback_after));
+static FORGET_JOBS_AFTER: LazyLock<String> =
+    LazyLock::new(|| duration_text(JobLimits::DEFAULT.forget_after));
 
 /// The lighthouse's command line: its flags, torchft_lighthouse's spellings folded into
 /// phalanx's own (`LighthouseFlags::resolve`). Parse it with `clap::Parser`'s calls.
@@ -89,6 +91,14 @@ pub struct LighthouseFlags {
     /// file-descriptor limit to match, or says what it can serve when it may not.
     #[arg(long, env = "PHALANX_MAX_GROUPS", default_value_t = Tuning::DEFAULT.max_groups, value_parser = clap::value_parser!(u32).range(1..=1_000_000).map(|n| n as usize))]
     pub max_groups: usize,
+    /// How many jobs it serves at once (each names itself with `--job` or
+    /// PHALANX_JOB; groups that name none are the default job, one of these).
+    #[arg(long, env = "PHALANX_MAX_JOBS", default_value_t = JobLimits::DEFAULT.max_jobs, value_parser = clap::value_parser!(u32).range(1..=100_000).map(|n| n as usize))]
+    pub max_jobs: usize,
+    /// A job none of whose groups has been connected for this long is forgotten: its
+    /// quorums, rules and series (the default job never is).
+    #[arg(long, env = "PHALANX_FORGET_JOBS_AFTER", default_value = FORGET_JOBS_AFTER.as_str(), value_parser = parse_duration)]
+    pub forget_jobs_after: Duration,
     /// Job token; with it set, every request without it is refused. Visible to other
     /// users of this host in the process list: prefer --token-file. [env: PHALANX_TOKEN]
     #[arg(long)]
@@ -281,6 +291,10 @@ impl LighthouseArgs {
             token: JobToken::new(token),
             insecure: flags.insecure,
             connections: GateLimits::lighthouse(flags.max_groups),
+            jobs: JobLimits {
+                max_jobs: flags.max_jobs,
+                forget_after: flags.forget_jobs_after,
+            },
         })
     }
 }

@@ -87,16 +87,19 @@ pub enum Refusal {
     Unproven,
     /// An unproven connection made room for a newer one.
     Crowded,
+    /// A new job arrived while the lighthouse served its most jobs (`--max-jobs`).
+    Jobs,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 6] = [
+    pub const ALL: [Refusal; 7] = [
         Refusal::Token,
         Refusal::Invalid,
         Refusal::DuplicateReplica,
         Refusal::Full,
         Refusal::Unproven,
         Refusal::Crowded,
+        Refusal::Jobs,
     ];
 
     /// The reason named `name` (as `as_str` writes it), if there is one.
@@ -112,6 +115,7 @@ impl Refusal {
             Refusal::Full => "connections_full",
             Refusal::Unproven => "no_token_in_time",
             Refusal::Crowded => "crowded_out",
+            Refusal::Jobs => "jobs_full",
         }
     }
 }

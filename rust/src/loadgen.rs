@@ -9,6 +9,7 @@ use tokio::sync::{mpsc, Barrier};
 
 use crate::auth::JobToken;
 use crate::lighthouse::client::LighthouseClient;
+use crate::lighthouse::jobs::JobRequest;
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 use crate::Error;
 
@@ -112,14 +113,15 @@ fn beat(replica_id: &str) -> proto::Beat {
 pub async fn quorum_rounds(
     address: &str,
     token: &JobToken,
+    job: &JobRequest,
     replicas: usize,
     rounds: usize,
     change_every: usize,
     timeout: Duration,
 ) -> Result<Vec<RoundTiming>, Error> {
-    let status = LighthouseClient::new(address, token, timeout)?;
-    let extra_client = LighthouseClient::new(address, token, timeout)?;
-    let mut groups = open_groups(address, token, "group", replicas, timeout).await?;
+    let status = LighthouseClient::for_job(address, token, job, timeout)?;
+    let extra_client = LighthouseClient::for_job(address, token, job, timeout)?;
+    let mut groups = open_groups(address, token, job, "group", replicas, timeout).await?;
     let mut timings = Vec::with_capacity(rounds);
     let mut extra = None;
     // Round 0 forms the first quorum; it is not reported.
@@ -189,6 +191,7 @@ pub async fn quorum_rounds(
 async fn open_groups(
     address: &str,
     token: &JobToken,
+    job: &JobRequest,
     prefix: &str,
     replicas: usize,
     timeout: Duration,
@@ -199,7 +202,7 @@ async fn open_groups(
     let opening = Arc::new(tokio::sync::Semaphore::new(OPENING_AT_ONCE));
     let mut tasks = Vec::with_capacity(replicas);
     for g in 0..replicas {
-        let client = LighthouseClient::new(address, token, timeout)?;
+        let client = LighthouseClient::for_job(address, token, job, timeout)?;
         let (opening, replica_id) = (opening.clone(), format!("{prefix}-{g:05}"));
         tasks.push(tokio::spawn(async move {
             let _opening = opening.acquire().await;
@@ -249,10 +252,26 @@ pub async fn crash_told(
     trials: usize,
     timeout: Duration,
 ) -> Result<Vec<Duration>, Error> {
-    let mut groups = open_groups(address, token, "group", replicas, timeout).await?;
+    let mut groups = open_groups(
+        address,
+        token,
+        &JobRequest::default(),
+        "group",
+        replicas,
+        timeout,
+    )
+    .await?;
     let mut told = Vec::with_capacity(trials);
     for trial in 0..trials {
-        let victim = open_groups(address, token, &format!("crash{trial}"), 1, timeout).await?;
+        let victim = open_groups(
+            address,
+            token,
+            &JobRequest::default(),
+            &format!("crash{trial}"),
+            1,
+            timeout,
+        )
+        .await?;
         groups.extend(victim);
         let quorum_id;
         (groups, quorum_id) = ask_all(groups, timeout).await?;
@@ -384,6 +403,92 @@ pub async fn heartbeats(
         total += task
             .await
             .map_err(|e| Error::InvalidConfig(format!("load task failed: {e}")))??;
+    }
+    Ok(total)
+}
+
+/// What a flood came to: requests sent, and those the lighthouse answered at all
+/// (with a status or a refusal) within their deadline.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Flood {
+    pub sent: u64,
+    pub answered: u64,
+}
+
+/// Requests of one flood in flight at once, at most: past them a tick sends none.
+const FLOOD_IN_FLIGHT: usize = 512;
+
+/// Floods the lighthouse with `rate` requests a second of job `job` for `duration`,
+/// over `connections` connections: status calls and quorum requests that are
+/// garbage (no requester), in turn, as a buggy or hostile client of a job would send.
+pub async fn flood(
+    address: &str,
+    token: &JobToken,
+    job: &JobRequest,
+    rate: f64,
+    connections: usize,
+    duration: Duration,
+) -> Result<Flood, Error> {
+    let connections = connections.max(1);
+    let tick = Duration::from_millis(10);
+    let per_tick = (rate * tick.as_secs_f64() / connections as f64).max(1.0);
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(FLOOD_IN_FLIGHT));
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let client = LighthouseClient::for_job(address, token, job, Duration::from_secs(5))?;
+        let in_flight = in_flight.clone();
+        tasks.push(tokio::spawn(async move {
+            let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let (mut sent, mut owed) = (0u64, 0.0);
+            let deadline = Instant::now() + duration;
+            let mut ticker = tokio::time::interval(tick);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            while Instant::now() < deadline {
+                ticker.tick().await;
+                owed += per_tick;
+                while owed >= 1.0 {
+                    owed -= 1.0;
+                    let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                        break;
+                    };
+                    let (client, answered) = (client.clone(), answered.clone());
+                    let garbage = sent % 2 == 1;
+                    sent += 1;
+                    tokio::spawn(async move {
+                        let timeout = Duration::from_secs(1);
+                        let heard = if garbage {
+                            let nobody = proto::Member::default();
+                            matches!(client.quorum(nobody, 0, timeout).await, Err(Error::Rpc(_)))
+                        } else {
+                            client.status(timeout).await.is_ok()
+                        };
+                        if heard {
+                            answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        drop(permit);
+                    });
+                }
+            }
+            // What is still in flight has a second to come back.
+            let _ = tokio::time::timeout(Duration::from_secs(2), async {
+                while in_flight.available_permits() < FLOOD_IN_FLIGHT {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            Flood {
+                sent,
+                answered: answered.load(std::sync::atomic::Ordering::Relaxed),
+            }
+        }));
+    }
+    let mut total = Flood::default();
+    for task in tasks {
+        let part = task
+            .await
+            .map_err(|e| Error::InvalidConfig(format!("flood task failed: {e}")))?;
+        total.sent += part.sent;
+        total.answered += part.answered;
     }
     Ok(total)
 }

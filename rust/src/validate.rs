@@ -28,18 +28,25 @@ pub fn replica_id(id: &str) -> Result<(), Status> {
             "replica id is empty; give every replica group a name (--replica-id or PHALANX_REPLICA_ID)",
         ));
     }
-    if id.len() > MAX_REPLICA_ID_LEN {
+    name("replica id", id, MAX_REPLICA_ID_LEN, "")
+}
+
+/// A name (of a replica group, of a job): at most `max_len` bytes of letters, digits,
+/// '.', '_' and '-'; `how` says where it was given, for the error.
+pub fn name(what: &str, name: &str, max_len: usize, how: &str) -> Result<(), Status> {
+    if name.len() > max_len {
         return Err(Status::invalid_argument(format!(
-            "replica id is {} bytes long; use at most {MAX_REPLICA_ID_LEN}",
-            id.len()
+            "{what} is {} bytes long; use at most {max_len}{how}",
+            name.len()
         )));
     }
-    if let Some((at, c)) = id
+    if let Some((at, c)) = name
         .char_indices()
         .find(|(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
     {
         return Err(Status::invalid_argument(format!(
-            "replica id {id:?} has {c:?} at byte {at}; use only letters, digits, '.', '_' and '-'"
+            "{what} {name:?} has {c:?} at byte {at}; use only letters, digits, '.', '_' and \
+             '-'{how}"
         )));
     }
     Ok(())

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use phalanx::auth::JobToken;
 use phalanx::gate::GateLimits;
 use phalanx::lighthouse::client::LighthouseClient;
-use phalanx::lighthouse::{self, LighthouseOptions};
+use phalanx::lighthouse::{self, JobLimits, LighthouseOptions};
 use phalanx::proto::{self, PROTOCOL_VERSION};
 use phalanx::server::ServerHandle;
 use phalanx::{Error, ErrorKind};
@@ -41,6 +41,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         token: JobToken::default(),
         connections: GateLimits::RPC,
         insecure: false,
+        jobs: JobLimits::DEFAULT,
     }
 }
 
@@ -1175,3 +1176,6 @@ async fn a_flood_of_asks_on_one_stream_leaves_only_the_last_one_waiting() {
     let status = status_rpc(&client(addr)).await;
     assert!(status.replicas.iter().all(|r| !r.joined), "{status:?}");
 }
+
+#[path = "lighthouse/jobs.rs"]
+mod jobs;

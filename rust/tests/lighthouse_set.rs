@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use phalanx::auth::JobToken;
 use phalanx::lighthouse::client::LighthouseClient;
+use phalanx::lighthouse::jobs::JobRequest;
 use phalanx::lighthouse::leadership::{Timing, IDS_PER_TERM};
 use phalanx::lighthouse::set::SetOptions;
 use phalanx::lighthouse::{self, LighthouseOptions};
@@ -126,6 +127,24 @@ async fn one_serves_the_others_name_it_and_a_successor_issues_higher_ids() {
         .expect("a quorum through the list");
     assert_eq!(listed.address(), peers[leader]);
     assert!(quorum.quorum_id >= first.quorum_id);
+    // A named job on the same set has quorums of its own.
+    let job_a = JobRequest::parse(Some("a"), None).unwrap();
+    let of_a = LighthouseClient::for_job(
+        &list.join(","),
+        &JobToken::default(),
+        &job_a,
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    let a_first = of_a
+        .quorum_patiently(member("a1"), 0, PATIENCE)
+        .await
+        .expect("a quorum of job a");
+    assert_eq!(
+        a_first.participants.len(),
+        1,
+        "job a's quorum holds job a's group only"
+    );
 
     // The server stops; another takes over, with ids above the old term's.
     let stopped_at = Instant::now();
@@ -141,6 +160,12 @@ async fn one_serves_the_others_name_it_and_a_successor_issues_higher_ids() {
     );
     // A later term's floor (`quorum_id_floor`): above every id of the earlier term.
     assert!(quorum.quorum_id / IDS_PER_TERM > first.quorum_id / IDS_PER_TERM);
+    // And so for every job: job a's ids rise across the change of leader too.
+    let a_next = of_a
+        .quorum_patiently(member("a1"), a_first.quorum_id, PATIENCE)
+        .await
+        .expect("a quorum of job a from the successor");
+    assert!(a_next.quorum_id / IDS_PER_TERM > a_first.quorum_id / IDS_PER_TERM);
     assert!(stopped_at.elapsed() < PATIENCE);
     for handle in handles.into_iter().flatten() {
         handle.shutdown().await;

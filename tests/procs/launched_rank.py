@@ -16,6 +16,8 @@ keys = (
     "MASTER_PORT",
     "PHALANX_TOKEN",
     "PHALANX_TOKEN_FILE",
+    "PHALANX_JOB",
+    "PHALANX_JOB_RULES",
 )
 print(json.dumps({"pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}), flush=True)
 time.sleep(float(sys.argv[1]))

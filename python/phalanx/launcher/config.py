@@ -4,6 +4,7 @@ checked configuration it gives (`LaunchConfig`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -71,6 +72,8 @@ class LaunchConfig:
     rollback_after: float = _core.LIGHTHOUSE_DEFAULTS["rollback_after"]
     #: The group's id; with several replicas, the prefix of their ids.
     replica_id: str | None = None
+    #: The job's name on a lighthouse that serves many (None: its default job).
+    job: str | None = None
     #: Failures in a row (without a committed step in between) a group is restarted
     #: after; evictions as stalled are counted apart, against as many (`RestartCount`).
     max_restarts: int = 10
@@ -120,16 +123,38 @@ class LaunchConfig:
         >>> config = LaunchConfig(("train.py",), snapshots=SnapshotSettings.of("/ckpt", "500"))
         >>> config.rank_environ()["PHALANX_SNAPSHOT_EVERY"]
         '500'
+        >>> environ = LaunchConfig(("train.py",), job="llama", min_replicas=2).rank_environ()
+        >>> environ["PHALANX_JOB"], environ["PHALANX_JOB_RULES"].split(",")[:2]
+        ('llama', ['min_replicas=2', 'join_timeout_ms=1000'])
         """
+        environ = {}
+        if self.job:
+            environ["PHALANX_JOB"] = self.job
+            environ["PHALANX_JOB_RULES"] = self.job_rules()
         s = self.snapshots
-        if s is None:
-            return {}
-        every = str(s.every.steps) if s.every.steps is not None else f"{s.every.seconds:g}s"
-        return {
-            "PHALANX_SNAPSHOT_DIR": s.location,
-            "PHALANX_SNAPSHOT_EVERY": every,
-            "PHALANX_SNAPSHOT_KEEP": str(s.keep),
-        }
+        if s is not None:
+            every = str(s.every.steps) if s.every.steps is not None else f"{s.every.seconds:g}s"
+            environ.update(
+                PHALANX_SNAPSHOT_DIR=s.location,
+                PHALANX_SNAPSHOT_EVERY=every,
+                PHALANX_SNAPSHOT_KEEP=str(s.keep),
+            )
+        return environ
+
+    def job_rules(self) -> str:
+        """The quorum rules the groups of a named job declare: this launcher's
+        `--min-replicas`, `--join-timeout`, `--heartbeat-timeout`, `--rollback-after`.
+        Every launcher of the job must agree on them, or the lighthouse refuses the
+        groups of the one that does not, both rules named."""
+
+        def ms(seconds: float) -> int:
+            return max(1, round(seconds * 1000))
+
+        return (
+            f"min_replicas={self.min_replicas},join_timeout_ms={ms(self.join_timeout)},"
+            f"heartbeat_timeout_ms={ms(self.heartbeat_timeout)},"
+            f"rollback_after_ms={ms(self.rollback_after)}"
+        )
 
     def replica_ids(self) -> list[str]:
         if self.replicas == 1 and self.replica_id:
@@ -220,6 +245,15 @@ def _add_group_options(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         default="127.0.0.1:0",
         help="where the lighthouse served here listens (default: 127.0.0.1, any free port)",
+    )
+    parser.add_argument(
+        "--job",
+        metavar="NAME",
+        default=os.environ.get("PHALANX_JOB") or None,
+        help="the job's name on a lighthouse that serves many jobs (letters, digits, '.', "
+        "'_', '-'): its own quorums, rules (this launcher's --min-replicas and timeouts) "
+        "and token (`phalanx token --job NAME`) (default: PHALANX_JOB, else the "
+        "lighthouse's default job)",
     )
     parser.add_argument(
         "--replica-id",

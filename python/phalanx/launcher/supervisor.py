@@ -244,7 +244,10 @@ class Launcher:
         try:
             if self.status_client is None:
                 self.status_client = _core.LighthouseClient(
-                    self.lighthouse, token=self.token, connect_timeout=SIGHTING_TIMEOUT
+                    self.lighthouse,
+                    token=self.token,
+                    connect_timeout=SIGHTING_TIMEOUT,
+                    job=self.config.job,
                 )
             status = self.status_client.status(timeout=SIGHTING_TIMEOUT)
         except (OSError, RuntimeError, ValueError):
@@ -268,13 +271,15 @@ class Launcher:
             return True
         # A set of lighthouses ("a:p,b:p,c:p") is reachable while any of them answers.
         for address in self.lighthouse.split(","):
-            client = _core.LighthouseClient(address, token=self.token, connect_timeout=2.0)
+            client = _core.LighthouseClient(
+                address, token=self.token, connect_timeout=2.0, job=self.config.job
+            )
             try:
                 client.status(timeout=2.0)
             except (ConnectionError, TimeoutError):
                 continue
-            except PermissionError:
-                pass  # it answers; the token is the ranks' business
+            except (PermissionError, ValueError):
+                pass  # it answers; the token, or a job it has forgotten, is the ranks' business
             return True
         return False
 

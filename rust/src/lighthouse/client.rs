@@ -12,6 +12,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
+use super::jobs::JobRequest;
 use crate::auth::{AttachToken, JobToken};
 use crate::proto::{self, LEADER_KEY, PROTOCOL_VERSION};
 use crate::transport::{
@@ -56,9 +57,17 @@ struct Link {
 }
 
 impl Link {
-    fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
+    fn new(
+        address: &str,
+        token: &JobToken,
+        job: &JobRequest,
+        connect_timeout: Duration,
+    ) -> Result<Self, Error> {
         let endpoint = endpoint(address, connect_timeout.min(CONNECT_ATTEMPT))?;
-        let attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
+        let mut attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
+        for (key, value) in job.metadata() {
+            attach = attach.with(key, &value).map_err(Error::InvalidConfig)?;
+        }
         let client = Link::connect(&endpoint, &attach);
         Ok(Link {
             endpoint,
@@ -133,6 +142,16 @@ impl LighthouseClient {
     /// host:port, or a comma-separated list of a set's lighthouses. One attempt to
     /// connect takes at most `connect_timeout`, and never more than `CONNECT_ATTEMPT`.
     pub fn new(address: &str, token: &JobToken, connect_timeout: Duration) -> Result<Self, Error> {
+        Self::for_job(address, token, &JobRequest::default(), connect_timeout)
+    }
+
+    /// A client whose every request is for job `job` (see `super::jobs`).
+    pub fn for_job(
+        address: &str,
+        token: &JobToken,
+        job: &JobRequest,
+        connect_timeout: Duration,
+    ) -> Result<Self, Error> {
         let addresses: Vec<String> = address
             .split(',')
             .map(str::trim)
@@ -147,7 +166,7 @@ impl LighthouseClient {
         }
         let links = addresses
             .iter()
-            .map(|a| Link::new(a, token, connect_timeout))
+            .map(|a| Link::new(a, token, job, connect_timeout))
             .collect::<Result<_, Error>>()?;
         Ok(LighthouseClient {
             addresses: Arc::new(addresses),

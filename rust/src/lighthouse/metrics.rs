@@ -1,5 +1,6 @@
 //! Prometheus metrics of the lighthouse, served at `/metrics`.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
 
@@ -11,6 +12,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 use super::history::{Eviction, History};
+use super::jobs::JobName;
 use super::snapshot::{ReplicaSnapshot, Snapshot};
 use crate::gate::Refusals;
 
@@ -33,15 +35,138 @@ pub struct Metrics {
     /// their own, as groups ask while no stream is open).
     pub quorum_requests: Family<Labels, Counter>,
     pub evictions: Family<Labels, Counter>,
+}
+
+/// The series of the default job carry no job label, as before a lighthouse served
+/// many jobs; every other job's carry `phalanx_job` (not `job`, which Prometheus
+/// gives every target it scrapes).
+fn job_registry(job: &JobName) -> Registry {
+    if job.is_default() {
+        Registry::with_prefix(PREFIX)
+    } else {
+        let label = (
+            Cow::Borrowed(JOB_LABEL),
+            Cow::Owned(job.as_str().to_string()),
+        );
+        Registry::with_prefix_and_labels(PREFIX, std::iter::once(label))
+    }
+}
+
+const PREFIX: &str = "phalanx_lighthouse";
+const JOB_LABEL: &str = "phalanx_job";
+
+/// The lighthouse's own series, of no one job: requests refused at its door, Raft
+/// messages refused, how many jobs it serves.
+pub struct SiteMetrics {
+    registry: Registry,
     pub refusals: Refusals,
     /// Raft messages refused (`leadership::Refusal`), by `reason`: a buggy or
     /// hostile token holder, or a member whose state was not reset with the others.
     pub raft_refused: RaftRefusals,
+    pub jobs: Gauge,
+    pub jobs_forgotten: Counter,
+}
+
+impl SiteMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let m = SiteMetrics {
+            registry: Registry::default(),
+            refusals: Refusals::default(),
+            raft_refused: Family::default(),
+            jobs: Gauge::default(),
+            jobs_forgotten: Counter::default(),
+        };
+        registry.register(
+            "refused_requests",
+            "Requests and connections refused, by reason",
+            m.refusals.family(),
+        );
+        registry.register(
+            "raft_refused",
+            "Raft messages from peers refused, by reason: term (above any the set can \
+             have reached), kind (one no lighthouse sends), entry (one no leader appends)",
+            m.raft_refused.clone(),
+        );
+        for reason in ["term", "kind", "entry"] {
+            let _ = m.raft_refused.get_or_create(&vec![("reason", reason)]);
+        }
+        registry.register(
+            "jobs",
+            "Jobs served (the default job included)",
+            m.jobs.clone(),
+        );
+        registry.register(
+            "jobs_forgotten",
+            "Jobs forgotten after no group used them for --forget-jobs-after",
+            m.jobs_forgotten.clone(),
+        );
+        SiteMetrics { registry, ..m }
+    }
+
+    /// One exposition in OpenMetrics' text format: these series, then each job's
+    /// (`Metrics::render`), every family once with the samples of all jobs.
+    pub fn render(&self, jobs: &[String]) -> String {
+        let mut own = String::new();
+        encode(&mut own, &self.registry).expect("writing to a String cannot fail");
+        let mut parts = vec![own];
+        parts.extend(jobs.iter().cloned());
+        merge_expositions(&parts)
+    }
+}
+
+/// Expositions merged into one: a family's metadata once, then its samples from
+/// every part in order (OpenMetrics wants a family's samples together).
+fn merge_expositions(parts: &[String]) -> String {
+    let mut order: Vec<&str> = Vec::new();
+    let mut families: std::collections::HashMap<&str, (Vec<&str>, Vec<&str>)> =
+        std::collections::HashMap::new();
+    for part in parts {
+        let mut current: Option<&str> = None;
+        for line in part.lines() {
+            if line == "# EOF" {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap_or(rest);
+                current = Some(name);
+                let family = families.entry(name).or_insert_with(|| {
+                    order.push(name);
+                    (Vec::new(), Vec::new())
+                });
+                if family.0.is_empty() {
+                    family.0.push(line);
+                }
+                continue;
+            }
+            let Some(name) = current else { continue };
+            let family = families.get_mut(name).expect("opened by its HELP line");
+            if line.starts_with("# ") {
+                // TYPE and UNIT: once, from the first part that has the family.
+                if !family.0.contains(&line) && family.1.is_empty() {
+                    family.0.push(line);
+                }
+            } else {
+                family.1.push(line);
+            }
+        }
+    }
+    let mut out = String::new();
+    for name in order {
+        let (meta, samples) = &families[name];
+        for line in meta.iter().chain(samples) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.push_str(EOF);
+    out
 }
 
 impl Metrics {
-    pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("phalanx_lighthouse");
+    /// The series of `job`.
+    pub fn for_job(job: &JobName) -> Self {
+        let mut registry = job_registry(job);
         let m = Metrics {
             quorum_id: Gauge::default(),
             live_replicas: Gauge::default(),
@@ -54,8 +179,6 @@ impl Metrics {
             heartbeats: Counter::default(),
             quorum_requests: Family::default(),
             evictions: Family::default(),
-            refusals: Refusals::default(),
-            raft_refused: Family::default(),
             registry: Registry::default(),
         };
         registry.register("quorum_id", "Id of the current quorum", m.quorum_id.clone());
@@ -104,20 +227,6 @@ impl Metrics {
             "Replica groups declared dead, by cause",
             m.evictions.clone(),
         );
-        registry.register(
-            "refused_requests",
-            "Requests and connections refused, by reason",
-            m.refusals.family(),
-        );
-        registry.register(
-            "raft_refused",
-            "Raft messages from peers refused, by reason: term (above any the set can \
-             have reached), kind (one no lighthouse sends), entry (one no leader appends)",
-            m.raft_refused.clone(),
-        );
-        for reason in ["term", "kind", "entry"] {
-            let _ = m.raft_refused.get_or_create(&vec![("reason", reason)]);
-        }
         for cause in Eviction::ALL {
             m.evicted_family(cause);
         }
@@ -145,15 +254,16 @@ impl Metrics {
             .clone()
     }
 
-    /// In OpenMetrics' text format, with the per-group series of `snapshot`.
-    pub fn render(&self, snapshot: &Snapshot) -> String {
+    /// In OpenMetrics' text format, with the per-group series of `snapshot`, the
+    /// snapshot of job `job`.
+    pub fn render(&self, job: &JobName, snapshot: &Snapshot) -> String {
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         // One exposition: the group families go before the end marker.
         if out.ends_with(EOF) {
             out.truncate(out.len() - EOF.len());
         }
-        encode(&mut out, &group_registry(snapshot)).expect("writing to a String cannot fail");
+        encode(&mut out, &group_registry(job, snapshot)).expect("writing to a String cannot fail");
         out
     }
 }
@@ -311,7 +421,7 @@ const GROUP_SERIES: &[Row] = &[
 /// The per-group series an operator alerts on, made afresh from a snapshot at each
 /// scrape: a group's series are there while it is live or recently lost (see
 /// `history::LOST_KEPT_FOR`) and leave with it, so their number stays bounded.
-fn group_registry(snapshot: &Snapshot) -> Registry {
+fn group_registry(job: &JobName, snapshot: &Snapshot) -> Registry {
     let group = |id: &str| vec![("replica_id", id.to_string())];
     let histories: Vec<(&str, &History)> = snapshot
         .replicas
@@ -324,7 +434,7 @@ fn group_registry(snapshot: &Snapshot) -> Registry {
                 .map(|l| (l.replica_id.as_str(), &l.history)),
         )
         .collect();
-    let mut registry = Registry::with_prefix("phalanx_lighthouse");
+    let mut registry = job_registry(job);
     for row in GROUP_SERIES {
         match row.series {
             Series::Live => {
@@ -513,7 +623,10 @@ mod tests {
             peer: String::new(),
             history: history(2, 1),
         };
-        let text = Metrics::new().render(&snapshot(vec![healing], vec![lost]));
+        let text = Metrics::for_job(&JobName::default_job()).render(
+            &JobName::default_job(),
+            &snapshot(vec![healing], vec![lost]),
+        );
         for sample in [
             r#"phalanx_lighthouse_group_live{replica_id="a"} 1"#,
             r#"phalanx_lighthouse_group_live{replica_id="b"} 0"#,
@@ -563,8 +676,46 @@ mod tests {
     }
 
     #[test]
+    fn every_job_has_its_own_labelled_series_and_each_family_is_written_once() {
+        let default = JobName::default_job();
+        let a = JobName::parse(Some("a")).unwrap();
+        let (mine, theirs) = (Metrics::for_job(&default), Metrics::for_job(&a));
+        mine.heartbeats.inc();
+        theirs.heartbeats.inc_by(5);
+        let site = SiteMetrics::new();
+        site.jobs.set(2);
+        let empty = snapshot(Vec::new(), Vec::new());
+        let text = site.render(&[mine.render(&default, &empty), theirs.render(&a, &empty)]);
+        assert!(
+            text.contains("\nphalanx_lighthouse_heartbeats_total 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\nphalanx_lighthouse_heartbeats_total{phalanx_job=\"a\"} 5\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nphalanx_lighthouse_jobs 2\n"), "{text}");
+        for line in text.lines().filter(|l| l.starts_with("# ")) {
+            assert_eq!(
+                text.matches(&format!("{line}\n")).count(),
+                1,
+                "{line} twice"
+            );
+        }
+        // A family's samples stand together, after its metadata.
+        let lines: Vec<&str> = text.lines().collect();
+        let at = |needle: &str| lines.iter().position(|l| l.starts_with(needle)).unwrap();
+        let first = at("phalanx_lighthouse_heartbeats_total ");
+        assert_eq!(at("phalanx_lighthouse_heartbeats_total{"), first + 1);
+        assert_eq!(at("# TYPE phalanx_lighthouse_heartbeats "), first - 1);
+        assert_eq!(text.matches("# EOF").count(), 1);
+        assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
     fn every_family_is_there_before_its_first_event() {
-        let text = Metrics::new().render(&snapshot(Vec::new(), Vec::new()));
+        let text = SiteMetrics::new().render(&[Metrics::for_job(&JobName::default_job())
+            .render(&JobName::default_job(), &snapshot(Vec::new(), Vec::new()))]);
         for family in [
             "evictions",
             "refused_requests",

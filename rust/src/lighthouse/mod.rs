@@ -1,9 +1,12 @@
-//! The lighthouse: one per job. It decides quorums, watches the liveness of every
-//! replica group through its heartbeat stream, and serves a status page and metrics.
+//! The lighthouse: it decides quorums, watches the liveness of every replica group
+//! through its heartbeat stream, and serves a status page and metrics, for any number
+//! of jobs at once (see `jobs`), each with its own rules, quorums and token.
 
+mod access;
 pub mod client;
 mod history;
 mod http;
+pub mod jobs;
 pub mod leadership;
 mod metrics;
 mod newest;
@@ -28,12 +31,12 @@ use crate::fdlimit;
 use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
 use crate::proto::lighthouse_set_server::LighthouseSetServer;
-use crate::quorum::QuorumConfig;
 use crate::server::{self, ServerHandle};
 use crate::Error;
-use service::{LighthouseService, Shared};
+use access::JobCheck;
+pub use service::JobLimits;
+use service::{LighthouseService, Site};
 use set::{Seat, SetOptions, SetService};
-use state::LighthouseState;
 
 /// Requests to the lighthouse are small; anything bigger is refused unread.
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -81,6 +84,8 @@ pub struct LighthouseOptions {
     pub connections: GateLimits,
     /// Serve without a token even where other hosts can reach the lighthouse.
     pub insecure: bool,
+    /// How many jobs it serves at once, and when it forgets one (see `jobs`).
+    pub jobs: JobLimits,
 }
 
 impl Default for LighthouseOptions {
@@ -94,6 +99,7 @@ impl Default for LighthouseOptions {
             token: JobToken::default(),
             connections: GateLimits::lighthouse(Tuning::DEFAULT.max_groups),
             insecure: false,
+            jobs: JobLimits::DEFAULT,
         }
     }
 }
@@ -114,6 +120,16 @@ impl LighthouseOptions {
             return Err(Error::InvalidConfig(
                 "--heartbeat-timeout must be at least 10ms; groups beat every 100ms by default"
                     .into(),
+            ));
+        }
+        if self.jobs.max_jobs == 0 {
+            return Err(Error::InvalidConfig(
+                "--max-jobs must be at least 1 (the default job is one)".into(),
+            ));
+        }
+        if self.jobs.forget_after < Duration::from_millis(10) {
+            return Err(Error::InvalidConfig(
+                "--forget-jobs-after must be at least 10ms, e.g. 10m".into(),
             ));
         }
         if self.rollback_after < self.heartbeat_timeout {
@@ -175,26 +191,24 @@ pub async fn serve_in_set(
     if let Some(set) = &set {
         set.validate()?;
     }
-    let shared = Shared::new(LighthouseState::new(
-        QuorumConfig {
-            min_replicas: options.min_replicas,
-            join_timeout: options.join_timeout,
-        },
-        options.heartbeat_timeout,
-        options.rollback_after,
-    ));
     let (listener, bound) = server::bind(&options.bind).await?;
     check_exposure(&options, bound)?;
     let (shutdown, shutdown_rx) = watch::channel(false);
-    let grpc = LighthouseServer::new(LighthouseService {
-        shared: shared.clone(),
-    })
-    .max_decoding_message_size(MAX_REQUEST_BYTES);
-    let grpc = InterceptedService::new(grpc, options.token.clone());
+    let defaults = Tuning {
+        min_replicas: options.min_replicas,
+        join_timeout: options.join_timeout,
+        heartbeat_timeout: options.heartbeat_timeout,
+        rollback_after: options.rollback_after,
+        max_groups: options.connections.max_connections,
+    };
+    let site = Site::new(defaults, options.jobs, shutdown_rx.clone());
+    let grpc = LighthouseServer::new(LighthouseService { site: site.clone() })
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let grpc = InterceptedService::new(grpc, JobCheck(options.token.clone()));
     let seat = match set {
         Some(set) => {
-            let seat = Seat::new(set, &options.token, shared.metrics.raft_refused.clone())?;
-            let _ = shared.seat.set(seat.clone());
+            let seat = Seat::new(set, &options.token, site.metrics.raft_refused.clone())?;
+            let _ = site.seat.set(seat.clone());
             Some(seat)
         }
         None => None,
@@ -202,25 +216,25 @@ pub async fn serve_in_set(
     let mut routes = Routes::new(grpc);
     if let Some(seat) = &seat {
         let set_grpc = LighthouseSetServer::new(SetService { seat: seat.clone() })
-            .max_decoding_message_size(MAX_REQUEST_BYTES);
+            .max_decoding_message_size(set::MAX_RAFT_BYTES);
         routes = routes.add_service(InterceptedService::new(set_grpc, options.token.clone()));
     }
     let routes = routes
         .into_axum_router()
-        .merge(http::router(shared.clone(), options.token.clone()));
+        .merge(http::router(site.clone(), options.token.clone()));
     let admitted = options.connections.max_connections;
     if let Some(warning) = fdlimit::ensure(admitted, &format!("its {admitted} connections")) {
         tracing::warn!("{warning}");
     }
-    let door = Door::new(options.connections, shared.metrics.refusals.clone());
+    let door = Door::new(options.connections, site.metrics.refusals.clone());
     let mut handle = server::spawn(listener, Vec::new(), routes.into(), shutdown, door);
     if let Some(seat) = seat {
-        let serving = shared.clone();
+        let serving = site.clone();
         handle.add_task(tokio::spawn(
             seat.run(move |term| serving.serve_in(term), shutdown_rx.clone()),
         ));
     }
-    handle.add_task(tokio::spawn(shared.run_deadlines(shutdown_rx)));
+    handle.add_task(tokio::spawn(site.forget_idle_jobs(shutdown_rx)));
     tracing::debug!(
         address = %handle.local_addr(),
         min_replicas = options.min_replicas,

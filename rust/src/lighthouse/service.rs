@@ -4,6 +4,7 @@
 //! background task sleeps until the next deadline (a join timeout or a heartbeat
 //! expiry) and is woken only when an earlier one appears. There is no polling tick.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -16,27 +17,207 @@ use tokio_stream::Stream;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::access::job_of;
 use super::history::Eviction;
+use super::jobs::{judge_idle, Idle, JobName, JobRequest};
 use super::leadership::quorum_id_floor;
-use super::metrics::{Metrics, Via};
+use super::metrics::{Metrics, SiteMetrics, Via};
 use super::pulse::Pulse;
 use super::set::Seat;
 use super::state::LighthouseState;
+use super::Tuning;
 use crate::door::Ticket;
-use crate::gate::{self, Refusal};
+use crate::gate::{self, Refusal, Refusals};
 use crate::proto::{self, lighthouse_server::Lighthouse};
+use crate::quorum::QuorumConfig;
 use crate::validate;
 
+/// Everything a lighthouse serves: its jobs, each with a `Shared` of its own, so that
+/// one job's requests never wait on another's lock or deadlines.
+pub(crate) struct Site {
+    jobs: Mutex<HashMap<JobName, Arc<Shared>>>,
+    /// The rules of the default job, and of every job for the rules it leaves out.
+    pub(crate) defaults: Tuning,
+    limits: JobLimits,
+    pub(crate) metrics: SiteMetrics,
+    pub(crate) started: Instant,
+    /// This lighthouse's place in a set; unset for a lighthouse on its own.
+    pub(crate) seat: Arc<OnceLock<Arc<Seat>>>,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// How many jobs a lighthouse serves at once, and when it forgets one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JobLimits {
+    /// Jobs served at once, the default job included; a new one past it is refused.
+    pub max_jobs: usize,
+    /// A job no group has used for this long is forgotten (the default job never is).
+    pub forget_after: Duration,
+}
+
+impl JobLimits {
+    pub const DEFAULT: JobLimits = JobLimits {
+        max_jobs: 1000,
+        forget_after: Duration::from_secs(600),
+    };
+}
+
+/// References to a job's `Shared` that do not mean a group uses it: the site's and
+/// its deadline task's. Every stream, join and call holds one more while it lasts.
+const HELD_WHEN_UNUSED: usize = 2;
+
+impl Site {
+    pub(crate) fn new(
+        defaults: Tuning,
+        limits: JobLimits,
+        shutdown: watch::Receiver<bool>,
+    ) -> Arc<Self> {
+        let site = Arc::new(Site {
+            jobs: Mutex::new(HashMap::new()),
+            defaults,
+            limits,
+            metrics: SiteMetrics::new(),
+            started: Instant::now(),
+            seat: Arc::new(OnceLock::new()),
+            shutdown,
+        });
+        site.job(&JobRequest::default())
+            .expect("the default job's rules are the lighthouse's");
+        site
+    }
+
+    fn jobs(&self) -> MutexGuard<'_, HashMap<JobName, Arc<Shared>>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The job a request is for, made with the rules it declares if it is new; a
+    /// request whose rules disagree with its job's, or for a new job past
+    /// `--max-jobs`, is refused.
+    pub(crate) fn job(&self, request: &JobRequest) -> Result<Arc<Shared>, Status> {
+        let mut jobs = self.jobs();
+        if let Some(shared) = jobs.get(&request.job) {
+            let agreed = request.rules.agree_with(&request.job, &shared.rules);
+            return refuse(self.metrics.refusals.clone(), Refusal::Invalid, agreed)
+                .map(|_| shared.clone());
+        }
+        if jobs.len() >= self.limits.max_jobs {
+            self.metrics.refusals.count(Refusal::Jobs);
+            return Err(Status::resource_exhausted(format!(
+                "the lighthouse serves its most jobs ({}, --max-jobs); job {} cannot start \
+                 until one ends (a job is forgotten {} s after its last group), or give the \
+                 lighthouse a higher --max-jobs",
+                self.limits.max_jobs,
+                request.job,
+                self.limits.forget_after.as_secs()
+            )));
+        }
+        let rules = if request.job.is_default() {
+            request.rules.agree_with(&request.job, &self.defaults)?;
+            self.defaults
+        } else {
+            let made = request.rules.over(&self.defaults);
+            refuse(self.metrics.refusals.clone(), Refusal::Invalid, made)?
+        };
+        let shared = Shared::new(
+            request.job.clone(),
+            rules,
+            self.metrics.refusals.clone(),
+            self.seat.clone(),
+        );
+        tokio::spawn(shared.clone().run_deadlines(self.shutdown.clone()));
+        // A job that starts while this lighthouse of a set serves starts above the
+        // term's floor and at what the set knows of its newest state.
+        let term = self.seat.get().and_then(|seat| *seat.serving.borrow());
+        if term.is_some() {
+            shared.serve_in(term);
+        }
+        jobs.insert(request.job.clone(), shared.clone());
+        self.metrics.jobs.set(jobs.len() as i64);
+        if !request.job.is_default() {
+            tracing::info!(job = %request.job, rules = %request.rules, "a new job");
+        }
+        Ok(shared)
+    }
+
+    /// The job named `job`, if this lighthouse serves it.
+    pub(crate) fn find(&self, job: &JobName) -> Option<Arc<Shared>> {
+        self.jobs().get(job).cloned()
+    }
+
+    /// Every job served, by name.
+    pub(crate) fn all(&self) -> Vec<Arc<Shared>> {
+        let mut all: Vec<Arc<Shared>> = self.jobs().values().cloned().collect();
+        all.sort_by(|a, b| a.job.cmp(&b.job));
+        all
+    }
+
+    /// This lighthouse of a set starts or stops serving: every job starts afresh.
+    pub(crate) fn serve_in(&self, term: Option<u64>) {
+        for shared in self.jobs().values() {
+            shared.serve_in(term);
+        }
+    }
+
+    /// Forgets the jobs no group has used for `forget_after`, until `shutdown`.
+    pub(crate) async fn forget_idle_jobs(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let every =
+            (self.limits.forget_after / 4).clamp(Duration::from_millis(10), Duration::from_secs(5));
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = shutdown.changed() => return,
+            }
+            self.forget_idle(Instant::now());
+        }
+    }
+
+    fn forget_idle(&self, now: Instant) {
+        let mut jobs = self.jobs();
+        let before = jobs.len();
+        jobs.retain(|name, shared| {
+            // Nothing else holds the job while this holds the map: no request can
+            // take it up between the count and its removal.
+            let unused =
+                Arc::strong_count(shared) <= HELD_WHEN_UNUSED && shared.lock().live_replicas() == 0;
+            let mut since = shared.idle_since.lock().unwrap_or_else(|e| e.into_inner());
+            match judge_idle(name, unused, *since, self.limits.forget_after, now) {
+                Idle::InUse => *since = None,
+                Idle::Since(at) => *since = Some(at),
+                Idle::Forget => {
+                    shared.retire.notify_one();
+                    tracing::info!(job = %name, "job forgotten: no group used it");
+                    return false;
+                }
+            }
+            true
+        });
+        let forgotten = before - jobs.len();
+        if forgotten > 0 {
+            self.metrics.jobs_forgotten.inc_by(forgotten as u64);
+            self.metrics.jobs.set(jobs.len() as i64);
+        }
+    }
+}
+
+/// One job's lighthouse: its state, its metrics and its deadline task.
 pub(crate) struct Shared {
+    pub(crate) job: JobName,
+    /// The job's quorum rules, as it was made with them.
+    pub(crate) rules: Tuning,
     state: Mutex<LighthouseState>,
     pub(crate) metrics: Metrics,
+    /// The lighthouse's refusals (see `SiteMetrics`).
+    refusals: Refusals,
     wake: Notify,
-    pub(crate) started: Instant,
     /// A member of the quorum is due for eviction as stalled but no peer waits on it
     /// yet: the first beat that says a peer began to wait wakes the deadline task.
     stall_overdue: AtomicBool,
     /// This lighthouse's place in a set; unset for a lighthouse on its own.
-    pub(crate) seat: OnceLock<Arc<Seat>>,
+    pub(crate) seat: Arc<OnceLock<Arc<Seat>>>,
+    /// Since when no group has used the job (see `Site::forget_idle`).
+    idle_since: Mutex<Option<Instant>>,
+    /// Ends the deadline task of a job forgotten.
+    retire: Notify,
 }
 
 fn unix_ms() -> i64 {
@@ -57,14 +238,31 @@ impl Shared {
             .report(replica_id, beat.tally, refused, Instant::now());
     }
 
-    pub(crate) fn new(state: LighthouseState) -> Arc<Self> {
+    fn new(
+        job: JobName,
+        rules: Tuning,
+        refusals: Refusals,
+        seat: Arc<OnceLock<Arc<Seat>>>,
+    ) -> Arc<Self> {
+        let state = LighthouseState::new(
+            QuorumConfig {
+                min_replicas: rules.min_replicas,
+                join_timeout: rules.join_timeout,
+            },
+            rules.heartbeat_timeout,
+            rules.rollback_after,
+        );
         Arc::new(Shared {
+            metrics: Metrics::for_job(&job),
+            job,
+            rules,
             state: Mutex::new(state),
-            metrics: Metrics::new(),
+            refusals,
             wake: Notify::new(),
-            started: Instant::now(),
             stall_overdue: AtomicBool::new(false),
-            seat: OnceLock::new(),
+            seat,
+            idle_since: Mutex::new(None),
+            retire: Notify::new(),
         })
     }
 
@@ -95,7 +293,7 @@ impl Shared {
         if let Some(term) = term {
             st.raise_quorum_floor(quorum_id_floor(term));
             // What the set knows of the job's newest state: never start below it.
-            if let Some(newest) = self.seat.get().and_then(|seat| seat.newest()) {
+            if let Some(newest) = self.seat.get().and_then(|seat| seat.newest(&self.job)) {
                 st.learn_newest(newest, now);
             }
         }
@@ -129,7 +327,7 @@ impl Shared {
             }
             // The other lighthouses of a set hear of it on their next message.
             if let (Some(seat), Some(newest)) = (self.seat.get(), st.newest_state()) {
-                seat.learn_newest(newest);
+                seat.learn_newest(&self.job, newest);
             }
             self.metrics.quorum_id.set(issued.quorum_id as i64);
         }
@@ -191,7 +389,7 @@ impl Shared {
         let now = Instant::now();
         self.admit(now)?;
         let ticket = refuse(
-            self,
+            self.refusals.clone(),
             Refusal::DuplicateReplica,
             st.join(member.into(), last_quorum_id, now, reply_tx),
         )?;
@@ -217,8 +415,12 @@ impl Shared {
     ) -> AbortOnDropHandle<()> {
         // Joined before this returns, so the stream's next ask supersedes this one in
         // the order the group sent them.
-        let joined = refuse(self, Refusal::Invalid, validate::ask(&ask, replica_id))
-            .and_then(|(member, timeout)| Ok((self.join(member, last_quorum_id)?, timeout)));
+        let joined = refuse(
+            self.refusals.clone(),
+            Refusal::Invalid,
+            validate::ask(&ask, replica_id),
+        )
+        .and_then(|(member, timeout)| Ok((self.join(member, last_quorum_id)?, timeout)));
         self.metrics.quorum_request(Via::Stream).inc();
         AbortOnDropHandle::new(tokio::spawn(async move {
             let answered = match joined {
@@ -279,13 +481,17 @@ impl Shared {
                     self.lock().shut_down();
                     return;
                 }
+                _ = self.retire.notified() => {
+                    self.lock().shut_down();
+                    return;
+                }
             }
         }
     }
 }
 
 pub(crate) struct LighthouseService {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) site: Arc<Site>,
 }
 
 /// Withdraws a quorum request whose caller timed out or went away.
@@ -337,7 +543,7 @@ impl Joined {
 /// A heartbeat stream's first beat, within the heartbeat timeout and valid: it names
 /// the group, so nothing is opened for a stream that sends none.
 async fn first_beat(
-    shared: &Shared,
+    refusals: &Refusals,
     inbound: &mut Streaming<proto::Beat>,
     heartbeat_timeout: Duration,
 ) -> Result<proto::Beat, Status> {
@@ -355,7 +561,7 @@ async fn first_beat(
         validate::replica_id(&first.replica_id)?;
         validate::beat(&first)
     });
-    refuse(shared, Refusal::Invalid, checked)?;
+    refuse(refusals.clone(), Refusal::Invalid, checked)?;
     Ok(first)
 }
 
@@ -505,9 +711,9 @@ fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEve
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::LighthouseEvent, Status>> + Send>>;
 
-fn refuse<T>(shared: &Shared, reason: Refusal, r: Result<T, Status>) -> Result<T, Status> {
+fn refuse<T>(refusals: Refusals, reason: Refusal, r: Result<T, Status>) -> Result<T, Status> {
     if r.is_err() {
-        shared.metrics.refusals.count(reason);
+        refusals.count(reason);
     }
     r
 }
@@ -518,7 +724,8 @@ impl Lighthouse for LighthouseService {
         &self,
         request: Request<proto::LighthouseQuorumRequest>,
     ) -> Result<Response<proto::LighthouseQuorumResponse>, Status> {
-        self.shared.metrics.quorum_request(Via::Call).inc();
+        let shared = self.site.job(&job_of(&request))?;
+        shared.metrics.quorum_request(Via::Call).inc();
         let req = request.into_inner();
         let checked = validate::protocol_version(req.protocol_version).and_then(|_| {
             let member = req
@@ -528,9 +735,8 @@ impl Lighthouse for LighthouseService {
             validate::quorum_id("last_quorum_id", req.last_quorum_id)?;
             Ok((member, validate::timeout_ms(req.timeout_ms)?))
         });
-        let (member, timeout) = refuse(&self.shared, Refusal::Invalid, checked)?;
-        let quorum = self
-            .shared
+        let (member, timeout) = refuse(shared.refusals.clone(), Refusal::Invalid, checked)?;
+        let quorum = shared
             .quorum_for(member, req.last_quorum_id, timeout)
             .await?;
         Ok(Response::new(proto::LighthouseQuorumResponse { quorum }))
@@ -549,9 +755,13 @@ impl Lighthouse for LighthouseService {
             .extensions()
             .get::<Ticket>()
             .map_or_else(|| "unknown".to_string(), |t| t.peer().to_string());
+        let job = job_of(&request);
         let mut inbound = request.into_inner();
-        let heartbeat_timeout = self.shared.lock().heartbeat_timeout();
-        let first = first_beat(&self.shared, &mut inbound, heartbeat_timeout).await?;
+        let refusals = &self.site.metrics.refusals;
+        let first =
+            first_beat(refusals, &mut inbound, self.site.defaults.heartbeat_timeout).await?;
+        let shared = self.site.job(&job)?;
+        let heartbeat_timeout = shared.rules.heartbeat_timeout;
 
         let (events_tx, events_rx) = mpsc::channel(16);
         // Weak: the state holds the stream's one strong sender, so that evicting the
@@ -562,28 +772,27 @@ impl Lighthouse for LighthouseService {
             last: None,
         };
         let (stream_id, pulse) = {
-            let mut st = self.shared.lock();
+            let mut st = shared.lock();
             let now = Instant::now();
-            self.shared.admit(now)?;
+            shared.admit(now)?;
             let opened = refuse(
-                &self.shared,
+                shared.refusals.clone(),
                 Refusal::DuplicateReplica,
                 st.open_stream(&first, peer, events_tx, now),
             )?;
-            self.shared.evaluate(&mut st, now);
+            shared.evaluate(&mut st, now);
             opened
         };
-        self.shared.metrics.heartbeats.inc();
+        shared.metrics.heartbeats.inc();
         acks.send(first.seq, pulse.lease_quorum(), Instant::now());
         pulse.trained(Instant::now(), &first);
-        self.shared.report(&first.replica_id, &first);
+        shared.report(&first.replica_id, &first);
         let replica_id = first.replica_id.clone();
         let asking = first.ask.map(|ask| {
-            self.shared
-                .answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
+            shared.answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
         });
         let task = BeatTask {
-            shared: self.shared.clone(),
+            shared: shared.clone(),
             inbound,
             pulse,
             replica_id,
@@ -597,9 +806,15 @@ impl Lighthouse for LighthouseService {
 
     async fn status(
         &self,
-        _request: Request<proto::StatusRequest>,
+        request: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusResponse>, Status> {
-        let snap = self.shared.lock().snapshot(Instant::now());
+        let job = job_of(&request).job;
+        let Some(shared) = self.site.find(&job) else {
+            return Err(Status::not_found(format!(
+                "this lighthouse serves no job {job}"
+            )));
+        };
+        let snap = shared.lock().snapshot(Instant::now());
         Ok(Response::new(proto::StatusResponse {
             quorum_id: snap.quorum_id,
             quorum_members: snap.quorum_members,
@@ -621,7 +836,7 @@ impl Lighthouse for LighthouseService {
                 .collect(),
             waiting_for: snap.waiting_for,
             quorums_issued: snap.quorums_issued,
-            uptime_ms: self.shared.started.elapsed().as_millis() as u64,
+            uptime_ms: self.site.started.elapsed().as_millis() as u64,
             min_replicas: snap.min_replicas,
             join_timeout_ms: snap.join_timeout_ms,
             heartbeat_timeout_ms: snap.heartbeat_timeout_ms,

@@ -15,6 +15,7 @@ use tokio::sync::{mpsc, watch, Notify};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
+use super::jobs::{JobName, NewestByJob, MAX_NEWEST_KNOWN};
 use super::leadership::{Envelope, Leadership, Refusal, Saved, Timing, View, VoteStore, MAX_TERM};
 use super::metrics::RaftRefusals;
 use crate::auth::JobToken;
@@ -196,6 +197,7 @@ pub async fn send_raft(
         sent_us: 1,
         echo_us: 0,
         newest: None,
+        jobs: Vec::new(),
     };
     tokio::time::timeout(Duration::from_secs(5), client.raft(request))
         .await
@@ -206,6 +208,10 @@ pub async fn send_raft(
         })??;
     Ok(())
 }
+
+/// The largest Raft message a lighthouse of a set takes: one that carries the newest
+/// state of as many jobs as a lighthouse remembers, with the longest names.
+pub(crate) const MAX_RAFT_BYTES: usize = 64 * 1024 + MAX_NEWEST_KNOWN * 128;
 
 /// This lighthouse's place in the set.
 pub(crate) struct Seat {
@@ -218,12 +224,12 @@ pub(crate) struct Seat {
     /// The term this lighthouse serves in, as last acted on (None: it does not serve).
     pub(crate) serving: watch::Sender<Option<u64>>,
     stopped: std::sync::atomic::AtomicBool,
-    /// The job's newest state that this lighthouse knows of, from its own serving and
-    /// from every message of the set: each carries its sender's. A leader's successor
-    /// wins the votes of a majority, each of which heard the leader's newest state on
-    /// its last message, so it starts serving knowing the job's newest state as of
-    /// about one set heartbeat (100 ms) before the change.
-    newest: Mutex<Option<Identity>>,
+    /// Each job's newest state that this lighthouse knows of, from its own serving
+    /// and from every message of the set: each carries its sender's. A leader's
+    /// successor wins the votes of a majority, each of which heard the leader's newest
+    /// states on its last message, so it starts serving knowing each job's newest
+    /// state as of about one set heartbeat (100 ms) before the change.
+    newest: Mutex<NewestByJob>,
     /// Raft messages refused, by reason (the `raft_refused` metric).
     refused: RaftRefusals,
     /// When a refusal was last logged, and how many were not logged since: a flood
@@ -296,7 +302,7 @@ impl Seat {
             outboxes,
             serving: watch::channel(None).0,
             stopped: Default::default(),
-            newest: Mutex::new(None),
+            newest: Mutex::new(NewestByJob::default()),
             refused,
             refusal_log: Mutex::new((None, 0)),
         });
@@ -306,15 +312,35 @@ impl Seat {
         Ok(seat)
     }
 
-    pub(crate) fn newest(&self) -> Option<Identity> {
-        *self.newest.lock().unwrap_or_else(|e| e.into_inner())
+    fn newest_known(&self) -> MutexGuard<'_, NewestByJob> {
+        self.newest.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn learn_newest(&self, identity: Identity) {
-        let mut newest = self.newest.lock().unwrap_or_else(|e| e.into_inner());
-        if newest.is_none_or(|n| identity > n) {
-            *newest = Some(identity);
+    pub(crate) fn newest(&self, job: &JobName) -> Option<Identity> {
+        self.newest_known().get(job)
+    }
+
+    pub(crate) fn learn_newest(&self, job: &JobName, identity: Identity) {
+        self.newest_known().learn(job, identity, Instant::now());
+    }
+
+    /// What a message of this lighthouse says of the jobs' newest states: the default
+    /// job's, and the others'.
+    fn newest_words(&self) -> (Option<proto::StateIdentity>, Vec<proto::JobNewest>) {
+        let known = self.newest_known();
+        let mut default = None;
+        let mut jobs = Vec::new();
+        for (job, identity) in known.all() {
+            if job.is_default() {
+                default = Some(identity.into());
+            } else {
+                jobs.push(proto::JobNewest {
+                    job: job.as_str().to_string(),
+                    newest: Some(identity.into()),
+                });
+            }
         }
+        (default, jobs)
     }
 
     fn lock(&self) -> MutexGuard<'_, Leadership> {
@@ -385,7 +411,7 @@ impl Seat {
     fn receive(
         &self,
         envelope: Envelope,
-        newest: Option<Identity>,
+        newest: Vec<(JobName, Identity)>,
         peer: Option<std::net::SocketAddr>,
     ) -> Result<(), Status> {
         // A stopping lighthouse is out of the set at once, though its port lingers
@@ -403,8 +429,8 @@ impl Seat {
         }
         // Before the message: it may make this lighthouse serve, and serving starts
         // from the newest state known.
-        if let Some(newest) = newest {
-            self.learn_newest(newest);
+        for (job, identity) in newest {
+            self.learn_newest(&job, identity);
         }
         let out = self.lock().receive(envelope, now);
         self.dispatch(out);
@@ -555,14 +581,15 @@ async fn send_loop(
     // operator of either side sees it, once a refusal log interval at most.
     let mut warned: Option<Instant> = None;
     while let Some(envelope) = outbox.recv().await {
-        let Some(newest) = seat.upgrade().map(|seat| seat.newest()) else {
+        let Some((newest, jobs)) = seat.upgrade().map(|seat| seat.newest_words()) else {
             return;
         };
         let request = proto::RaftEnvelope {
             message: envelope.message.write_to_bytes().unwrap_or_default(),
             sent_us: envelope.sent_us,
             echo_us: envelope.echo_us,
-            newest: newest.map(Into::into),
+            newest,
+            jobs,
         };
         let sent = tokio::time::timeout(Duration::from_millis(500), client.raft(request)).await;
         let Some(seat) = seat.upgrade() else { return };
@@ -611,9 +638,21 @@ impl lighthouse_set_server::LighthouseSet for SetService {
             sent_us: request.sent_us,
             echo_us: request.echo_us,
         };
-        // A refused sender's word on the job's newest state is not taken either.
-        self.seat
-            .receive(envelope, request.newest.map(Into::into), peer)?;
+        let mut newest: Vec<(JobName, Identity)> = Vec::with_capacity(request.jobs.len() + 1);
+        if let Some(identity) = request.newest {
+            newest.push((JobName::default_job(), identity.into()));
+        }
+        for word in request.jobs {
+            let (Ok(job), Some(identity)) = (JobName::parse(Some(&word.job)), word.newest) else {
+                return Err(Status::invalid_argument(format!(
+                    "a Raft message names job {:?} without its state, or by a name no job has",
+                    word.job
+                )));
+            };
+            newest.push((job, identity.into()));
+        }
+        // A refused sender's word on the jobs' newest states is not taken either.
+        self.seat.receive(envelope, newest, peer)?;
         Ok(Response::new(proto::RaftReceived {}))
     }
 }

@@ -29,6 +29,7 @@ use crate::auth::JobToken;
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
 use crate::lighthouse::client::{decode_quorum, LighthouseClient};
+use crate::lighthouse::jobs::JobRequest;
 use crate::proto::store_server::StoreServer;
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
 use crate::server::{self, ServerHandle};
@@ -65,6 +66,9 @@ pub struct ManagerOptions {
     pub connect_timeout: Duration,
     pub init_sync: bool,
     pub token: JobToken,
+    /// The job the group is of, on a lighthouse that serves many (see
+    /// `lighthouse::jobs`), and the quorum rules it declares for it.
+    pub job: JobRequest,
     /// Caps on connections (see `gate`).
     pub connections: GateLimits,
 }
@@ -93,6 +97,7 @@ impl ManagerOptions {
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             init_sync: Self::DEFAULT_INIT_SYNC,
             token: JobToken::default(),
+            job: JobRequest::default(),
             connections: GateLimits::RPC,
         }
     }
@@ -541,9 +546,10 @@ pub struct ManagerHandle {
 /// Starts a group's manager server on the current tokio runtime.
 pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     options.validate()?;
-    let lighthouse = LighthouseClient::new(
+    let lighthouse = LighthouseClient::for_job(
         &options.lighthouse_address,
         &options.token,
+        &options.job,
         options.connect_timeout,
     )?;
     let (progress, progress_rx) = watch::channel(Progress::default());

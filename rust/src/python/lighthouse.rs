@@ -8,11 +8,11 @@ use pyo3::types::PyDict;
 
 use super::runtime::{connect, control, wait};
 use super::types::{LighthouseStatus, Quorum};
-use super::{seconds, stop, to_py, unsigned, Server};
+use super::{job_request, seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::gate::GateLimits;
-use crate::lighthouse::{self, client, LighthouseOptions, Tuning};
+use crate::lighthouse::{self, client, JobLimits, LighthouseOptions, Tuning};
 use crate::proto;
 use crate::server::ServerHandle;
 
@@ -28,7 +28,7 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None, max_jobs = None, forget_jobs_after = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -43,6 +43,8 @@ impl LighthouseServer {
         state_file: Option<std::path::PathBuf>,
         rollback_after: Option<f64>,
         max_groups: Option<i64>,
+        max_jobs: Option<i64>,
+        forget_jobs_after: Option<f64>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
         let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
@@ -64,6 +66,14 @@ impl LighthouseServer {
                 max_groups.map_or(Ok(defaults.max_groups), groups)?,
             ),
             insecure,
+            jobs: JobLimits {
+                max_jobs: max_jobs
+                    .map_or(Ok(JobLimits::DEFAULT.max_jobs), |n| unsigned("max_jobs", n))?,
+                forget_after: forget_jobs_after
+                    .map_or(Ok(JobLimits::DEFAULT.forget_after), |s| {
+                        seconds("forget_jobs_after", s)
+                    })?,
+            },
         };
         let handle = wait(py, lighthouse::serve_in_set(options, set))?;
         let addr = handle.local_addr();
@@ -95,15 +105,18 @@ pub struct LighthouseClient {
 #[pymethods]
 impl LighthouseClient {
     #[new]
-    #[pyo3(signature = (address, token = None, connect_timeout = 5.0))]
+    #[pyo3(signature = (address, token = None, connect_timeout = 5.0, job = None, job_rules = None))]
     fn new(
         py: Python<'_>,
         address: &str,
         token: Option<String>,
         connect_timeout: f64,
+        job: Option<String>,
+        job_rules: Option<String>,
     ) -> PyResult<Self> {
+        let job = job_request(job.as_deref(), job_rules.as_deref())?;
         let inner = connect(py, token, connect_timeout, |token, timeout| {
-            client::LighthouseClient::new(address, token, timeout)
+            client::LighthouseClient::for_job(address, token, &job, timeout)
         })?;
         Ok(LighthouseClient { inner })
     }

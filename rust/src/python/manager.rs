@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::eviction;
 use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult};
-use super::{seconds, seconds_or_zero, stop, unsigned, Server};
+use super::{job_request, seconds, seconds_or_zero, stop, unsigned, Server};
 use crate::auth::JobToken;
 use crate::gate::GroupRefusals;
 use crate::manager::{self, client, ManagerOptions};
@@ -32,7 +32,7 @@ pub struct ManagerServer {
 #[pymethods]
 impl ManagerServer {
     #[new]
-    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = None, connect_timeout = None, init_sync = ManagerOptions::DEFAULT_INIT_SYNC, token = None, also_bind = None))]
+    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = None, connect_timeout = None, init_sync = ManagerOptions::DEFAULT_INIT_SYNC, token = None, also_bind = None, job = None, job_rules = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -47,6 +47,8 @@ impl ManagerServer {
         init_sync: bool,
         token: Option<String>,
         also_bind: Option<String>,
+        job: Option<String>,
+        job_rules: Option<String>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let heartbeat_interval = heartbeat_interval
             .map_or(Ok(ManagerOptions::DEFAULT_HEARTBEAT_INTERVAL), |s| {
@@ -66,6 +68,7 @@ impl ManagerServer {
             connect_timeout,
             init_sync,
             token: JobToken::new(token),
+            job: job_request(job.as_deref(), job_rules.as_deref())?,
             ..ManagerOptions::new(replica_id, lighthouse_address)
         };
         let handle = wait(py, manager::serve(options))?;

@@ -19,6 +19,7 @@ use pyo3::exceptions::{
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use crate::lighthouse::jobs::JobRequest;
 use crate::server::ServerHandle;
 use crate::{proto, ErrorKind};
 
@@ -47,6 +48,12 @@ fn to_py(e: crate::Error) -> PyErr {
 }
 
 /// A count or id from Python, checked into the unsigned type the core uses.
+/// The job a client names (`job=`, `job_rules=`), checked; ValueError naming the fix.
+fn job_request(job: Option<&str>, rules: Option<&str>) -> PyResult<JobRequest> {
+    JobRequest::parse(job, rules)
+        .map_err(|status| PyValueError::new_err(status.message().to_string()))
+}
+
 fn unsigned<T: TryFrom<i64>>(name: &str, value: i64) -> PyResult<T> {
     T::try_from(value).map_err(|_| {
         PyValueError::new_err(format!(

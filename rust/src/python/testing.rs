@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::runtime::wait;
 use super::state::StateServer;
-use super::{seconds, unsigned};
+use super::{job_request, seconds, unsigned};
 use crate::auth::JobToken;
 use crate::state::{baseline, Corruption};
 
@@ -17,7 +17,8 @@ use crate::state::{baseline, Corruption};
 /// (seconds from the last request to the last answer, membership changed, quorum id)
 /// for each round.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None))]
+#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None, job = None))]
+#[allow(clippy::too_many_arguments)]
 fn bench_quorum_rounds(
     py: Python<'_>,
     address: String,
@@ -26,12 +27,22 @@ fn bench_quorum_rounds(
     change_every: usize,
     timeout: f64,
     token: Option<String>,
+    job: Option<String>,
 ) -> PyResult<Vec<(f64, bool, u64)>> {
     let timeout = seconds("timeout", timeout)?;
     let token = JobToken::new(token);
+    let job = job_request(job.as_deref(), None)?;
     let timings = wait(py, async move {
-        crate::loadgen::quorum_rounds(&address, &token, replicas, rounds, change_every, timeout)
-            .await
+        crate::loadgen::quorum_rounds(
+            &address,
+            &token,
+            &job,
+            replicas,
+            rounds,
+            change_every,
+            timeout,
+        )
+        .await
     })?;
     Ok(timings
         .into_iter()
@@ -77,6 +88,29 @@ fn bench_heartbeats(
     wait(py, async move {
         crate::loadgen::heartbeats(&address, &token, replicas, hz, connections, duration).await
     })
+}
+
+/// Benchmark load: `rate` requests a second of job `job` (status calls and garbage
+/// quorum requests in turn) over `connections` connections for `duration` seconds.
+/// Returns (sent, answered).
+#[pyfunction]
+#[pyo3(signature = (address, job, rate, duration, connections = 16, token = None))]
+fn bench_flood(
+    py: Python<'_>,
+    address: String,
+    job: String,
+    rate: f64,
+    duration: f64,
+    connections: usize,
+    token: Option<String>,
+) -> PyResult<(u64, u64)> {
+    let duration = seconds("duration", duration)?;
+    let token = JobToken::new(token);
+    let job = job_request(Some(&job), None)?;
+    let flood = wait(py, async move {
+        crate::loadgen::flood(&address, &token, &job, rate, connections, duration).await
+    })?;
+    Ok((flood.sent, flood.answered))
 }
 
 /// Sends one Raft heartbeat to the lighthouse of a set at `address`, as member
@@ -134,6 +168,7 @@ pub(super) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     let m = PyModule::new(py, "_testing")?;
     m.add_function(wrap_pyfunction!(bench_quorum_rounds, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_heartbeats, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_flood, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_crash_told, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_raw_tcp, &m)?)?;
     m.add_function(wrap_pyfunction!(damage_next_chunks, &m)?)?;

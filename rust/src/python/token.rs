@@ -30,7 +30,30 @@ fn resolve_token(
     .map_err(to_py)
 }
 
+/// The token of job `job` on a lighthouse whose own token is `lighthouse_token`
+/// (`JobToken::for_job`): it opens that job's requests and no other's.
+#[pyfunction]
+fn job_token(lighthouse_token: &str, job: &str) -> PyResult<String> {
+    use pyo3::exceptions::PyValueError;
+    let name = crate::lighthouse::jobs::JobName::parse(Some(job))
+        .map_err(|status| PyValueError::new_err(status.message().to_string()))?;
+    if name.is_default() {
+        return Err(PyValueError::new_err(
+            "the default job has no token of its own: its groups take the lighthouse's",
+        ));
+    }
+    let secret = crate::auth::JobToken::new(Some(lighthouse_token.to_string()));
+    let token = secret
+        .for_job(name.as_str())
+        .header_value()
+        .ok_or_else(|| {
+            PyValueError::new_err("the lighthouse's token is empty; give the one it runs with")
+        })?;
+    Ok(token.trim_start_matches("Bearer ").to_string())
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resolve_token, m)?)?;
+    m.add_function(wrap_pyfunction!(job_token, m)?)?;
     Ok(())
 }
