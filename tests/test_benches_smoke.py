@@ -62,3 +62,13 @@ def test_recovery_quick():
     assert result["gb_per_s"] > 0 and result["gloo_inplace_gb_per_s"] > 0
     for name in ("ratio_to_gloo_inplace", "ratio_to_raw"):
         assert result[f"{name}_min"] <= result[name] <= result[f"{name}_max"]
+
+
+def test_job_isolation_quick():
+    result = run_quick("job_isolation.py", timeout=120)
+    assert result["bench"] == "job_isolation"
+    for key in ("ratio_p99_other_flood", "ratio_p99_own_flood", "alone_p99_ms"):
+        spread = result[key]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"], (key, spread)
+    # The flood reached the lighthouse and was answered, as the ratio assumes.
+    assert result["flood_answered_per_s"]["median"] > 0.5 * result["rate"]
