@@ -86,14 +86,18 @@ impl Interceptor for JobCheck {
             Err(_) => JobName::default_job(),
         };
         if check(&self.0, presented, &job).is_none() {
-            return refused(
-                Refusal::Token,
-                Status::unauthenticated(format!(
+            let message = if job.is_default() {
+                "missing or wrong job token: start every process of the job with the same \
+                 --token or PHALANX_TOKEN"
+                    .to_string()
+            } else {
+                format!(
                     "missing or wrong token for job {job}: give every process of the job its \
-                     job's token (`phalanx token --job {job} --lighthouse-token-file FILE OUT`, \
-                     or the lighthouse's own) as --token or PHALANX_TOKEN"
-                )),
-            );
+                     job's token (`phalanx token --job {job} --lighthouse-token-file FILE OUT`) \
+                     or the lighthouse's own, as --token or PHALANX_TOKEN"
+                )
+            };
+            return refused(Refusal::Token, Status::unauthenticated(message));
         }
         let parsed = match parsed {
             Ok(parsed) => parsed,

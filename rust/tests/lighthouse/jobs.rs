@@ -79,10 +79,11 @@ async fn a_jobs_token_opens_that_job_only_and_the_lighthouses_opens_every_job() 
         let c = job_client(addr, &a_token, &other);
         let (code, message) = rpc_code(c.quorum(member("x", 0), 0, CALL_TIMEOUT).await);
         assert_eq!(code, Code::Unauthenticated, "{other:?}");
-        assert!(
-            message.contains(&format!("token for job {}", other.job)),
-            "{message}"
-        );
+        let says = match other.job.is_default() {
+            true => "missing or wrong job token".to_string(),
+            false => format!("token for job {}", other.job),
+        };
+        assert!(message.contains(&says), "{message}");
         let (code, _) = rpc_code(c.status(CALL_TIMEOUT).await);
         assert_eq!(code, Code::Unauthenticated);
         let (code, _) = rpc_code(open_heartbeat(&c, "x").await.map(|_| ()));
@@ -184,4 +185,48 @@ async fn an_unused_job_is_forgotten_and_no_job_past_max_jobs_starts() {
             .is_ok_and(|q| q.quorum_id > first)
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_short_jobs_leave_nothing_behind() {
+    let lighthouse = lighthouse::serve(LighthouseOptions {
+        jobs: JobLimits {
+            max_jobs: 2000,
+            forget_after: Duration::from_millis(100),
+        },
+        ..options(1)
+    })
+    .await
+    .expect("lighthouse starts");
+    let addr = lighthouse.local_addr();
+    // A connection each (a job's client names its job on every request), fifty at a
+    // time: below the lighthouse's cap on connections not yet proven by a request.
+    for batch in 0..20 {
+        let asking: Vec<_> = (0..50)
+            .map(|i| {
+                let name = format!("short-{}", batch * 50 + i);
+                let c = job_client(addr, &JobToken::default(), &job(&name, ""));
+                tokio::spawn(async move { c.quorum(member("g", 0), 0, CALL_TIMEOUT).await })
+            })
+            .collect();
+        for quorum in asking {
+            quorum
+                .await
+                .expect("task")
+                .expect("each short job forms its quorum");
+        }
+    }
+    let jobs = |metrics: &str, name: &str| -> Option<u64> {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("phalanx_lighthouse_{name} ")))
+            .and_then(|v| v.parse().ok())
+    };
+    eventually("every short job is forgotten", PATIENCE, || async {
+        let (_, metrics) = http_get(addr, "/metrics", None).await;
+        jobs(&metrics, "jobs") == Some(1) && jobs(&metrics, "jobs_forgotten_total") == Some(1000)
+    })
+    .await;
+    let (_, metrics) = http_get(addr, "/metrics", None).await;
+    assert!(!metrics.contains("phalanx_job="), "no job's series is left");
 }
