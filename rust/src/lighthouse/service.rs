@@ -352,6 +352,19 @@ impl Shared {
         }
     }
 
+    /// After a heartbeat stream opened: runs the engine, unless its decision stands
+    /// (see `LighthouseState::decision_stands`); then only the new group's liveness
+    /// and its own stall time need a deadline.
+    fn opened(&self, st: &mut LighthouseState, replica_id: &str, now: Instant) {
+        if st.decision_stands(now) {
+            self.metrics.live_replicas.set(st.live_replicas() as i64);
+            self.schedule(st, Some(now + st.heartbeat_timeout()));
+            self.schedule(st, st.stall_of(replica_id, now));
+        } else {
+            self.evaluate(st, now);
+        }
+    }
+
     fn schedule(&self, st: &mut LighthouseState, at: Option<Instant>) {
         if let Some(at) = at {
             if st.ticker_deadline.is_none_or(|d| at < d) {
@@ -780,7 +793,7 @@ impl Lighthouse for LighthouseService {
                 Refusal::DuplicateReplica,
                 st.open_stream(&first, peer, events_tx, now),
             )?;
-            shared.evaluate(&mut st, now);
+            shared.opened(&mut st, &first.replica_id, now);
             opened
         };
         shared.metrics.heartbeats.inc();

@@ -180,7 +180,7 @@ pub fn member_due(
 /// more, yet it is hung and should be restarted. A healthy group out of the quorum
 /// asks for the next one at once. Counted from its stream's opening too, so that a
 /// group resumed from SIGSTOP reports its progress before it is judged.
-fn dropped_due(groups: &impl Groups, id: &str) -> Option<Instant> {
+pub fn dropped_due(groups: &impl Groups, id: &str) -> Option<Instant> {
     let group = groups.watched(id);
     if group.asked_at.is_some() || groups.quorum().is_some_and(|q| q.contains(id)) {
         return None;

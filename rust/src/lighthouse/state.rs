@@ -351,8 +351,10 @@ impl LighthouseState {
         }
         // A fresh pulse: a stale stream of the same group, should it wake up, beats
         // into its own retired one and ends. A group known so far only from its quorum
-        // requests keeps the quorum it is a member of.
-        self.engine_due = true;
+        // requests keeps the quorum it is a member of. A member of the current quorum
+        // found dead since the engine looked may live again: `wait_stands` looks for
+        // late members from the start.
+        self.late_cursor = 0;
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
         let (history, steps, last_commit) = match self.replicas.remove(id) {
@@ -795,7 +797,7 @@ impl LighthouseState {
     /// waited on by nobody yet gets its eviction time from this join, so then the
     /// stall check runs (and the deadline task is set for that time).
     pub fn wait_stands(&mut self, now: Instant) -> bool {
-        let (WaitReason::LateMembers { .. }, Some(until)) = &self.waiting else {
+        let (reason, Some(until)) = &self.waiting else {
             return false;
         };
         if self.engine_due
@@ -805,6 +807,23 @@ impl LighthouseState {
         {
             return false;
         }
+        let stands = match reason {
+            WaitReason::LateMembers { .. } => self.a_member_is_late(now),
+            // The first round waits for every live group, and every group is live
+            // while no heartbeat expiry is due (`ticker_deadline`); a join's group is
+            // one of them, so some group has not asked while there are fewer joiners.
+            WaitReason::GatheringFirstQuorum { .. } => self.joiners.len() < self.replicas.len(),
+            // A restarted lighthouse's first round waits out its deadline whoever asks.
+            WaitReason::RejoiningAfterRestart { .. } => true,
+            _ => false,
+        };
+        self.waiting_stale |= stands;
+        stands
+    }
+
+    /// Whether some live member of the current quorum has not asked again, looked for
+    /// from where the last look stopped (see `late_cursor`).
+    fn a_member_is_late(&mut self, now: Instant) -> bool {
         let Some(quorum) = &self.previous else {
             return false;
         };
@@ -819,11 +838,32 @@ impl LighthouseState {
         match late {
             Some(at) => {
                 self.late_cursor += at;
-                self.waiting_stale = true;
                 true
             }
             None => false,
         }
+    }
+
+    /// Whether the engine's last decision stands after a heartbeat stream opened: it
+    /// adds a live group and no request, and a round waits for a live group or
+    /// leaves it out, so it ends no wait; nor does a round start while nobody asks.
+    /// Then the open need not run the engine (nor the stall check, see `stall_of`),
+    /// which on every open would cost a job's start time proportional to the square
+    /// of its groups.
+    pub fn decision_stands(&mut self, now: Instant) -> bool {
+        let nobody_asks = self.joiners.is_empty()
+            && matches!(self.waiting.0, WaitReason::NoJoiners)
+            && !self.engine_due
+            && !self.stalls.overdue();
+        nobody_asks || self.wait_stands(now)
+    }
+
+    /// When stall detection next has group `replica_id` to judge as dropped out of
+    /// the quorum (see `stall::dropped_due`): all that a stream's opening changes of
+    /// it (a fresh pulse reports no progress and no wait yet, so no member becomes
+    /// due or waited on sooner).
+    pub fn stall_of(&self, replica_id: &str, now: Instant) -> Option<Instant> {
+        stall::dropped_due(&self.watch(), replica_id).filter(|at| *at > now)
     }
 
     /// When the background task must look again: the engine's deadline, the next
@@ -1268,6 +1308,83 @@ mod tests {
             for mut reply in replies {
                 assert_eq!(decoded(reply.try_recv().unwrap()).participants.len(), n);
             }
+        }
+    }
+
+    #[test]
+    fn the_first_rounds_joins_and_every_open_skip_the_engine_while_its_decision_stands() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut rng = Lcg(11);
+        for round in 0..20 {
+            let mut s = state();
+            let n = 2 + rng.below(12) as usize;
+            let ids: Vec<String> = (0..n).map(|i| format!("g{i:02}")).collect();
+            // The deadline task sleeps until the heartbeat expiry.
+            s.ticker_deadline = Some(ms(2000));
+            let mut streams = Vec::new();
+            for id in &ids {
+                streams.push(open(&mut s, id, t));
+                assert!(s.decision_stands(t), "round {round}: nobody asks yet");
+            }
+            let mut replies = Vec::new();
+            for (k, id) in ids.iter().enumerate() {
+                let now = ms(100 + 10 * k as u64);
+                let (tx, rx) = oneshot::channel();
+                s.join(member(id), 0, now, tx).unwrap();
+                replies.push(rx);
+                let last = k + 1 == n;
+                if s.wait_stands(now) {
+                    assert!(!last, "round {round}: nobody is missing once all asked");
+                    let (reason, until) = engine_waits(&s, now);
+                    assert_eq!(s.waiting_reason(now), reason, "round {round}");
+                    let WaitReason::GatheringFirstQuorum { missing } = reason else {
+                        panic!("round {round}: the engine waits for {reason}");
+                    };
+                    assert_eq!(missing.count, n - k - 1, "round {round}");
+                    assert!(until >= s.waiting_until(), "round {round}");
+                    // A group that opens its stream now is one more to wait for.
+                    if replies.len() == k + 1 {
+                        streams.push(open(&mut s, "late", now));
+                        assert!(s.decision_stands(now), "round {round}");
+                        let (tx, rx) = oneshot::channel();
+                        s.join(member("late"), 0, now, tx).unwrap();
+                        replies.push(rx);
+                        assert!(s.wait_stands(now), "round {round}");
+                    }
+                } else {
+                    assert!(
+                        k == 0 || last,
+                        "round {round}: join {k} of {n} ran the engine"
+                    );
+                    let issued = s.evaluate(now, 0);
+                    assert_eq!(issued.is_some(), last, "round {round}, join {k}");
+                }
+            }
+            let everyone = replies.len();
+            assert!(
+                everyone == n + 1 || n == 2,
+                "round {round}: late joined a standing wait"
+            );
+            for mut reply in replies {
+                let quorum = decoded(reply.try_recv().unwrap());
+                assert_eq!(quorum.participants.len(), everyone, "round {round}");
+            }
+            // A stream opened while a quorum stands and nobody asks changes nothing.
+            assert!(s.decision_stands(ms(500)), "round {round}");
+            // But past a heartbeat expiry the deadline task has not acted on, a join
+            // runs the engine: a group may be dead that the count takes for live.
+            let mut s = state();
+            s.ticker_deadline = Some(ms(50));
+            let _a = open(&mut s, "a", t);
+            let _b = open(&mut s, "b", t);
+            join_at_step(&mut s, "a", 0, ms(10));
+            assert!(
+                s.evaluate(ms(10), 0).is_none(),
+                "round {round}: b has not asked"
+            );
+            join_at_step(&mut s, "b", 0, ms(60));
+            assert!(!s.wait_stands(ms(60)), "round {round}");
         }
     }
 
