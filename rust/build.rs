@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // Shared, not copied: one encoded quorum goes to every member of a round.
         .bytes(".phalanx.v1.LighthouseQuorumResponse.quorum")
         .bytes(".phalanx.v1.QuorumAnswer.quorum")
+        .bytes(".phalanx.v1.QuorumAnswer.update")
         // Store values pass through without a copy.
         .bytes(".phalanx.v1.StoreSetRequest.value")
         .bytes(".phalanx.v1.StoreGetResponse.value")

@@ -80,6 +80,9 @@ class Quorum:
     def rolled_back_from(self) -> StateIdentity | None:
         """Set when it starts a new lineage: the job's newest state, which no group
         that held it could bring back, given up."""
+    @property
+    def issue(self) -> int:
+        """Which issue of the quorum this is (the lighthouse numbers each it issues)."""
 
 class RecoverySource:
     """An up-to-date peer a healing rank downloads its state from."""

@@ -23,12 +23,15 @@ pub struct RoundTiming {
     pub quorum_id: u64,
 }
 
-/// The id alone: the driver skips decoding the members, as each group would on its
-/// own machine, so that its CPU stays off the measurement.
+/// The id and the issue alone, of a `proto::Quorum` or a `proto::QuorumUpdate` (the
+/// same tags): the driver skips decoding or applying the members, as each group would
+/// on its own machine, so that its CPU stays off the measurement.
 #[derive(Clone, PartialEq, prost::Message)]
 struct QuorumId {
     #[prost(uint64, tag = "1")]
     quorum_id: u64,
+    #[prost(uint64, tag = "6")]
+    issue: u64,
 }
 
 /// A group as the benchmark drives it: its heartbeat stream, on which it asks for
@@ -38,6 +41,8 @@ struct Group {
     beats: mpsc::Sender<proto::Beat>,
     events: tonic::Streaming<proto::LighthouseEvent>,
     asked: u64,
+    /// The issue of the last quorum it got (see `proto::QuorumAsk.known_issue`).
+    known_issue: u64,
 }
 
 impl Group {
@@ -54,6 +59,7 @@ impl Group {
             beats,
             events,
             asked: 0,
+            known_issue: 0,
         })
     }
 
@@ -65,6 +71,7 @@ impl Group {
                 ask_id: self.asked,
                 requester: Some(member(self.replica_id.clone())),
                 timeout_ms: timeout.as_millis() as u64,
+                known_issue: self.known_issue,
             }),
             ..beat("")
         };
@@ -82,9 +89,15 @@ impl Group {
                         answer.message,
                     )));
                 }
-                return QuorumId::decode(answer.quorum)
-                    .map(|q| q.quorum_id)
-                    .map_err(|e| Error::InvalidConfig(format!("malformed quorum: {e}")));
+                let encoded = if answer.update.is_empty() {
+                    answer.quorum
+                } else {
+                    answer.update
+                };
+                let quorum = QuorumId::decode(encoded)
+                    .map_err(|e| Error::InvalidConfig(format!("malformed quorum: {e}")))?;
+                self.known_issue = quorum.issue;
+                return Ok(quorum.quorum_id);
             }
         }
     }

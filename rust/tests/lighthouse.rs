@@ -812,6 +812,7 @@ fn ask_beat(ask_id: u64, requester: proto::Member, timeout: Duration) -> proto::
             ask_id,
             requester: Some(requester),
             timeout_ms: timeout.as_millis() as u64,
+            known_issue: 0,
         }),
         ..beat("")
     }

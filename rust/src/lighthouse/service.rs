@@ -26,6 +26,7 @@ use super::pulse::Pulse;
 use super::set::Seat;
 use super::state::LighthouseState;
 use super::Tuning;
+use crate::delta::Answer;
 use crate::door::Ticket;
 use crate::gate::{self, Refusal, Refusals};
 use crate::proto::{self, lighthouse_server::Lighthouse};
@@ -386,7 +387,10 @@ impl Shared {
         last_quorum_id: u64,
         timeout: Duration,
     ) -> Result<Bytes, Status> {
-        self.join(member, last_quorum_id)?.wait(timeout).await
+        match self.join(member, last_quorum_id, 0)?.wait(timeout).await? {
+            Answer::Whole(quorum) => Ok(quorum),
+            Answer::Update(_) => Err(Status::internal("an update for a call that holds none")),
+        }
     }
 
     /// Joins `member` to the next quorum now; the join is withdrawn when the returned
@@ -395,6 +399,7 @@ impl Shared {
         self: &Arc<Self>,
         member: proto::Member,
         last_quorum_id: u64,
+        known_issue: u64,
     ) -> Result<Joined, Status> {
         let replica_id = member.replica_id.clone();
         let (reply_tx, reply) = oneshot::channel();
@@ -404,7 +409,7 @@ impl Shared {
         let ticket = refuse(
             self.refusals.clone(),
             Refusal::DuplicateReplica,
-            st.join(member.into(), last_quorum_id, now, reply_tx),
+            st.join_knowing(member.into(), last_quorum_id, known_issue, now, reply_tx),
         )?;
         self.joined(&mut st, now);
         Ok(Joined {
@@ -433,7 +438,9 @@ impl Shared {
             Refusal::Invalid,
             validate::ask(&ask, replica_id),
         )
-        .and_then(|(member, timeout)| Ok((self.join(member, last_quorum_id)?, timeout)));
+        .and_then(|(member, timeout)| {
+            Ok((self.join(member, last_quorum_id, ask.known_issue)?, timeout))
+        });
         self.metrics.quorum_request(Via::Stream).inc();
         AbortOnDropHandle::new(tokio::spawn(async move {
             let answered = match joined {
@@ -441,16 +448,21 @@ impl Shared {
                 Err(status) => Err(status),
             };
             let answer = match answered {
-                Ok(quorum) => proto::QuorumAnswer {
+                Ok(Answer::Whole(quorum)) => proto::QuorumAnswer {
                     ask_id: ask.ask_id,
                     quorum,
                     ..Default::default()
                 },
+                Ok(Answer::Update(update)) => proto::QuorumAnswer {
+                    ask_id: ask.ask_id,
+                    update,
+                    ..Default::default()
+                },
                 Err(status) => proto::QuorumAnswer {
                     ask_id: ask.ask_id,
-                    quorum: Bytes::new(),
                     code: status.code() as i32,
                     message: status.message().to_string(),
+                    ..Default::default()
                 },
             };
             // As a lease: a group whose events queue is full does not read them, and
@@ -531,7 +543,7 @@ struct Joined {
 }
 
 impl Joined {
-    async fn wait(mut self, timeout: Duration) -> Result<Bytes, Status> {
+    async fn wait(mut self, timeout: Duration) -> Result<Answer, Status> {
         let shared = self.leave.shared.clone();
         match tokio::time::timeout(timeout, &mut self.reply).await {
             Ok(Ok(reply)) => {

@@ -23,6 +23,7 @@ use super::newest::NewestState;
 use super::pulse::Pulse;
 use super::snapshot::{mark_stragglers, ms_since, LostSnapshot, ReplicaSnapshot, Snapshot};
 use super::stall::{self, Groups, Stalls, Watched};
+use crate::delta::{self, Answer};
 use crate::gate::RefusalCounts;
 use crate::proto;
 use crate::quorum::{
@@ -31,7 +32,7 @@ use crate::quorum::{
 };
 
 /// The answer a waiting quorum request gets: the quorum, encoded once for everyone.
-pub type QuorumReply = Result<Bytes, Status>;
+pub type QuorumReply = Result<Answer, Status>;
 
 /// The lighthouse end of a group's heartbeat stream.
 struct HeartbeatStream {
@@ -55,6 +56,8 @@ struct Replica {
 struct PendingJoin {
     ticket: u64,
     reply: oneshot::Sender<QuorumReply>,
+    /// The issue of the quorum the group holds whole (0: none; see `Answer`).
+    known_issue: u64,
 }
 
 /// A quorum just issued, for the server to record in its metrics.
@@ -83,6 +86,12 @@ pub struct LighthouseState {
     heard: Arc<AtomicU64>,
     epoch: Instant,
     quorums_issued: u64,
+    /// Where this lighthouse's numbering of the quorums it issues starts (see
+    /// `proto::Quorum.issue`): its own, so that a group's issue from another
+    /// lighthouse (of a set, or before a restart) is never taken for one of its own.
+    issue_base: u64,
+    /// The last quorum issued, as it was sent.
+    sent: Option<proto::Quorum>,
     next_ticket: u64,
     waiting: (WaitReason, Option<Instant>),
     /// A join that left the wait standing skipped the engine (see `wait_stands`): the
@@ -154,6 +163,14 @@ impl Groups for Watch<'_> {
     }
 }
 
+/// A start for a lighthouse's issue numbers, random and never 0 (0: none held).
+fn issue_base() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(std::process::id().into());
+    hasher.finish() | 1 << 63
+}
+
 impl LighthouseState {
     pub fn new(
         config: QuorumConfig,
@@ -174,6 +191,8 @@ impl LighthouseState {
             heard: Arc::new(AtomicU64::new(0)),
             epoch,
             quorums_issued: 0,
+            issue_base: issue_base(),
+            sent: None,
             next_ticket: 0,
             waiting: (WaitReason::NoJoiners, None),
             waiting_stale: false,
@@ -192,6 +211,19 @@ impl LighthouseState {
         &mut self,
         member: quorum::Member,
         last_quorum_id: QuorumId,
+        now: Instant,
+        reply: oneshot::Sender<QuorumReply>,
+    ) -> Result<u64, Status> {
+        self.join_knowing(member, last_quorum_id, 0, now, reply)
+    }
+
+    /// `join`, for a group that holds issue `known_issue` of a quorum whole: it gets
+    /// the next one as a change to it, when that is the last issued.
+    pub fn join_knowing(
+        &mut self,
+        member: quorum::Member,
+        last_quorum_id: QuorumId,
+        known_issue: u64,
         now: Instant,
         reply: oneshot::Sender<QuorumReply>,
     ) -> Result<u64, Status> {
@@ -232,8 +264,14 @@ impl LighthouseState {
         }
         self.next_ticket += 1;
         let ticket = self.next_ticket;
-        self.pending
-            .insert(id.clone(), PendingJoin { ticket, reply });
+        self.pending.insert(
+            id.clone(),
+            PendingJoin {
+                ticket,
+                reply,
+                known_issue,
+            },
+        );
         self.joiners.insert(
             id,
             Joiner {
@@ -579,6 +617,7 @@ impl LighthouseState {
         }
         self.previous = None;
         self.previous_at = None;
+        self.sent = None;
         // Its holders are to be heard from again, as after a restart.
         self.newest.restart(now);
         self.set_waiting(WaitReason::NoJoiners, None);
@@ -708,22 +747,33 @@ impl LighthouseState {
         let rolled_back = quorum
             .rolled_back_from
             .map(|from| self.rolled_back(&quorum, from, now, unix_ms));
-        let reply = Bytes::from(
-            proto::Quorum {
-                quorum_id: quorum.id,
-                participants: quorum.members.iter().cloned().map(Into::into).collect(),
-                issued_at_unix_ms: unix_ms,
-                lineage: quorum.lineage,
-                rolled_back_from: quorum.rolled_back_from.map(Into::into),
-            }
-            .encode_to_vec(),
-        );
+        let sent = proto::Quorum {
+            quorum_id: quorum.id,
+            participants: quorum.members.iter().cloned().map(Into::into).collect(),
+            issued_at_unix_ms: unix_ms,
+            lineage: quorum.lineage,
+            rolled_back_from: quorum.rolled_back_from.map(Into::into),
+            issue: self.issue_base.wrapping_add(self.quorums_issued),
+        };
+        let whole = Bytes::from(sent.encode_to_vec());
+        // Each encoded once, whoever gets it.
+        let update = self.sent.as_ref().and_then(|known| {
+            let update = delta::between(known, &sent)?;
+            Some((known.issue, Bytes::from(update.encode_to_vec())))
+        });
         for id in quorum.replica_ids() {
             self.joiners.remove(id);
             if let Some(p) = self.pending.remove(id) {
-                let _ = p.reply.send(Ok(reply.clone()));
+                let answer = match &update {
+                    Some((base, update)) if p.known_issue == *base => {
+                        Answer::Update(update.clone())
+                    }
+                    _ => Answer::Whole(whole.clone()),
+                };
+                let _ = p.reply.send(Ok(answer));
             }
         }
+        self.sent = Some(sent);
         // Told at once, so that they look again whether they can reach the others,
         // rather than wait out their request: as a quorum that did not come in time
         // (the lighthouse was reached; this round has no place for them).
@@ -1046,7 +1096,10 @@ mod tests {
     }
 
     fn decoded(reply: QuorumReply) -> proto::Quorum {
-        proto::Quorum::decode(reply.unwrap()).unwrap()
+        match reply.unwrap() {
+            Answer::Whole(bytes) => proto::Quorum::decode(bytes).unwrap(),
+            Answer::Update(_) => panic!("an update for a group that holds no quorum"),
+        }
     }
 
     fn form_quorum(s: &mut LighthouseState, ids: &[&str], now: Instant) -> proto::Quorum {
@@ -1309,6 +1362,49 @@ mod tests {
                 assert_eq!(decoded(reply.try_recv().unwrap()).participants.len(), n);
             }
         }
+    }
+
+    #[test]
+    fn a_member_that_holds_the_last_quorum_gets_the_next_as_its_change() {
+        let t = Instant::now();
+        let ms = |n: u64| t + Duration::from_millis(n);
+        let mut s = state();
+        let first = form_quorum(&mut s, &["a", "b", "c"], t);
+        assert_ne!(first.issue, 0);
+        // a holds the first quorum, b holds none, c holds one of another lighthouse.
+        let mut replies = Vec::new();
+        for (id, known) in [("a", first.issue), ("b", 0), ("c", first.issue ^ 1)] {
+            let (tx, rx) = oneshot::channel();
+            let step = quorum::Member {
+                step: 1,
+                ..member(id)
+            };
+            s.join_knowing(step, first.quorum_id, known, ms(10), tx)
+                .unwrap();
+            replies.push(rx);
+        }
+        s.evaluate(ms(10), 0).expect("the next round");
+        let answers: Vec<Answer> = replies
+            .into_iter()
+            .map(|mut r| r.try_recv().unwrap().unwrap())
+            .collect();
+        let whole = match &answers[1] {
+            Answer::Whole(bytes) => proto::Quorum::decode(bytes.clone()).unwrap(),
+            Answer::Update(_) => panic!("b holds no quorum"),
+        };
+        assert!(matches!(answers[2], Answer::Whole(_)), "c holds another");
+        let Answer::Update(update) = &answers[0] else {
+            panic!("a holds the last quorum issued")
+        };
+        assert!(
+            update.len() < 40,
+            "a steady round's change is small: {}",
+            update.len()
+        );
+        assert_eq!(answers[0].decode(Some(&first)).unwrap(), whole);
+        assert_eq!(whole.quorum_id, first.quorum_id);
+        assert_ne!(whole.issue, first.issue);
+        assert!(whole.participants.iter().all(|m| m.step == 1));
     }
 
     #[test]

@@ -15,12 +15,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio_util::task::AbortOnDropHandle;
 use tonic::{Code, Status, Streaming};
 
 use super::progress::Board;
+use crate::delta::Answer;
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::lighthouse::client::{LighthouseClient, Route};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
@@ -128,7 +128,7 @@ struct AsksInner {
 /// A quorum answered on a heartbeat stream: the answer, and which stream it came on
 /// (see [`Asks::handed`]).
 pub struct StreamAnswer {
-    pub quorum: Result<Bytes, Status>,
+    pub quorum: Result<Answer, Status>,
     pub stream: u64,
 }
 
@@ -145,6 +145,7 @@ impl Asks {
         &self,
         requester: proto::Member,
         last_quorum_id: u64,
+        known_issue: u64,
         timeout: Duration,
     ) -> Option<StreamAnswer> {
         let (beats, ask_id, answer, stream) = {
@@ -155,7 +156,8 @@ impl Asks {
             inner.waiting = Some((inner.last_id, tx));
             (beats, inner.last_id, rx, inner.closed)
         };
-        let quorum = Self::ride(beats, ask_id, answer, requester, last_quorum_id, timeout);
+        let asked = (requester, last_quorum_id, known_issue);
+        let quorum = Self::ride(beats, ask_id, answer, asked, timeout);
         Some(StreamAnswer {
             quorum: quorum.await?,
             stream,
@@ -163,14 +165,15 @@ impl Asks {
     }
 
     /// Sends ask `ask_id` on the stream `beats` go to and waits for its answer.
+    /// `asked`: the requester, its last quorum id and the issue it holds whole.
     async fn ride(
         beats: mpsc::Sender<proto::Beat>,
         ask_id: u64,
         answer: oneshot::Receiver<proto::QuorumAnswer>,
-        requester: proto::Member,
-        last_quorum_id: u64,
+        asked: (proto::Member, u64, u64),
         timeout: Duration,
-    ) -> Option<Result<Bytes, Status>> {
+    ) -> Option<Result<Answer, Status>> {
+        let (requester, last_quorum_id, known_issue) = asked;
         // The lighthouse answers a little before the deadline here, so that a wait
         // that runs out still hears why from it.
         let lighthouse_wait = timeout - (timeout / 10).min(Duration::from_millis(100));
@@ -182,6 +185,7 @@ impl Asks {
                 ask_id,
                 requester: Some(requester),
                 timeout_ms: timeout_ms(lighthouse_wait),
+                known_issue,
             }),
             ..Default::default()
         };
@@ -193,7 +197,8 @@ impl Asks {
         }
         drop(beats);
         match tokio::time::timeout_at(deadline, answer).await {
-            Ok(Ok(a)) if a.code == 0 => Some(Ok(a.quorum)),
+            Ok(Ok(a)) if a.code == 0 && !a.update.is_empty() => Some(Ok(Answer::Update(a.update))),
+            Ok(Ok(a)) if a.code == 0 => Some(Ok(Answer::Whole(a.quorum))),
             Ok(Ok(a)) => match Status::new(Code::from(a.code), a.message) {
                 refused if refused.code() == Code::Unavailable => None,
                 refused => Some(Err(refused)),
@@ -536,6 +541,7 @@ mod tests {
     use super::*;
     use crate::auth::JobToken;
     use crate::manager::tests::{bounded, start_lighthouse, PATIENCE};
+    use bytes::Bytes;
 
     fn member(replica_id: &str) -> proto::Member {
         proto::Member {
@@ -593,7 +599,7 @@ mod tests {
         asks.open(&beats);
         let asking = {
             let asks = asks.clone();
-            tokio::spawn(async move { asks.ask(member("g"), 0, PATIENCE).await })
+            tokio::spawn(async move { asks.ask(member("g"), 0, 0, PATIENCE).await })
         };
         let ask = bounded("the ask's beat", sent.recv()).await.unwrap().ask;
         asks.answered(proto::QuorumAnswer {
@@ -605,14 +611,31 @@ mod tests {
             .await
             .unwrap()
             .expect("answered");
-        assert_eq!(
-            (answer.quorum.unwrap(), answer.stream),
-            (Bytes::from("q"), 0)
-        );
+        assert!(matches!(answer.quorum, Ok(Answer::Whole(q)) if q == "q"));
+        assert_eq!(answer.stream, 0);
+
+        // A group that holds a quorum says which issue; its update comes as one.
+        let asking = {
+            let asks = asks.clone();
+            tokio::spawn(async move { asks.ask(member("g"), 0, 9, PATIENCE).await })
+        };
+        let ask = bounded("the ask's beat", sent.recv())
+            .await
+            .unwrap()
+            .ask
+            .unwrap();
+        assert_eq!(ask.known_issue, 9);
+        asks.answered(proto::QuorumAnswer {
+            ask_id: ask.ask_id,
+            update: Bytes::from_static(b"u"),
+            ..Default::default()
+        });
+        let answer = bounded("the update", asking).await.unwrap().unwrap();
+        assert!(matches!(answer.quorum, Ok(Answer::Update(u)) if u == "u"));
 
         let asking = {
             let asks = asks.clone();
-            tokio::spawn(async move { asks.ask(member("g"), 0, PATIENCE).await })
+            tokio::spawn(async move { asks.ask(member("g"), 0, 0, PATIENCE).await })
         };
         bounded("the second ask's beat", sent.recv()).await.unwrap();
         asks.close(0);

@@ -26,9 +26,10 @@ use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 use crate::auth::JobToken;
+use crate::delta::Answer;
 use crate::door::Door;
 use crate::gate::{self, GateLimits, GroupRefusals};
-use crate::lighthouse::client::{decode_quorum, LighthouseClient};
+use crate::lighthouse::client::LighthouseClient;
 use crate::lighthouse::jobs::JobRequest;
 use crate::proto::store_server::StoreServer;
 use crate::proto::{self, manager_server::Manager, manager_server::ManagerServer};
@@ -131,6 +132,9 @@ struct Shared {
     store_address: String,
     /// The ranks' training progress, which the heartbeat reports.
     board: Arc<Mutex<progress::Board>>,
+    /// The last quorum the group got, whole: the lighthouse may send the next one as
+    /// a change to it (see `crate::delta`).
+    known: Mutex<Option<Arc<proto::Quorum>>>,
 }
 
 impl Shared {
@@ -196,13 +200,34 @@ impl Shared {
         let started = Instant::now();
         // The stream the quorum came on, if it came on one.
         let mut stream = None;
-        let result = match self.asks.ask(member.clone(), last_quorum_id, timeout).await {
-            Some(answer) => {
-                stream = Some(answer.stream);
-                answer
-                    .quorum
-                    .map_err(Error::Rpc)
-                    .and_then(|encoded| decode_quorum(encoded, self.lighthouse.address()))
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let known_issue = known.as_ref().map_or(0, |q| q.issue);
+        let asked = self
+            .asks
+            .ask(member.clone(), last_quorum_id, known_issue, timeout);
+        // An update the group cannot apply (it no longer holds its base) is asked
+        // again by a call, whole.
+        let answered = asked.await.and_then(|answer| {
+            let quorum = match answer.quorum {
+                Err(status) => Err(Error::Rpc(status)),
+                Ok(encoded) => match encoded.decode(known.as_deref()) {
+                    Ok(quorum) => Ok(quorum),
+                    Err(e) if matches!(encoded, Answer::Update(_)) => {
+                        tracing::warn!("the lighthouse sent {e}; asking again, for it whole");
+                        return None;
+                    }
+                    Err(e) => Err(Error::Rpc(Status::internal(format!(
+                        "the lighthouse at {} answered with {e}",
+                        self.lighthouse.address()
+                    )))),
+                },
+            };
+            Some((answer.stream, quorum))
+        });
+        let result = match answered {
+            Some((on, quorum)) => {
+                stream = Some(on);
+                quorum
             }
             None => {
                 // The stream may have ended meanwhile, and a lease with it.
@@ -215,10 +240,11 @@ impl Shared {
             }
         };
         let quorum = match result {
-            Ok(q) => q,
+            Ok(q) => Arc::new(q),
             Err(Error::Rpc(status)) => return gathering.fail(&status),
             Err(other) => return gathering.fail(&Status::unavailable(other.to_string())),
         };
+        *self.known.lock().unwrap_or_else(|e| e.into_inner()) = Some(quorum.clone());
         let previous =
             self.lock()
                 .quorum_received(quorum.quorum_id, reported_failures, Instant::now());
@@ -581,6 +607,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
         store,
         store_address,
         board: board.clone(),
+        known: Mutex::new(None),
     });
     let group = Arc::downgrade(&shared);
     let (shutdown, stopping) = watch::channel(false);
