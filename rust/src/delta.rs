@@ -62,48 +62,71 @@ fn identity_of(member: &Member) -> StateIdentity {
     }
 }
 
-/// `next` as a change to `known`: None unless both are of one quorum id with the same
-/// members in the same order, or when most members changed more than their state
-/// (then the whole quorum is as small).
+/// `next` as a change to `known`: the members gone and come (both quorums are in
+/// replica-id order, so one merged walk finds them), the state most members of
+/// `next` hold, and the records that differ otherwise. None when that is most of the
+/// quorum (then the whole quorum is as small).
 ///
 /// ```
 /// use phalanx::delta::{apply, between};
 /// use phalanx::proto::{Member, Quorum};
 /// let member = |id: &str, step| Member { replica_id: id.into(), step, ..Default::default() };
-/// let at = |step, issue| Quorum {
-///     quorum_id: 7,
+/// let quorum = |id, issue, members: Vec<Member>| Quorum {
+///     quorum_id: id,
 ///     issue,
-///     participants: vec![member("a", step), member("b", step)],
+///     participants: members,
 ///     ..Default::default()
 /// };
-/// let update = between(&at(4, 1), &at(5, 2)).unwrap();
-/// assert!(update.changed.is_empty());
-/// assert_eq!(apply(&at(4, 1), &update).unwrap(), at(5, 2));
+/// let at = |step, ids: &str| ids.split(' ').map(|id| member(id, step)).collect();
+/// let known = quorum(7, 1, at(4, "a b c d e"));
+/// let steady = quorum(7, 2, at(5, "a b c d e"));
+/// let update = between(&known, &steady).unwrap();
+/// assert!(update.changed.is_empty() && update.added.is_empty());
+/// assert_eq!(apply(&known, &update).unwrap(), steady);
+/// // c crashed; f came, and heals from step 0.
+/// let mut members: Vec<Member> = at(5, "a b d e");
+/// members.push(member("f", 0));
+/// let changed = quorum(8, 3, members);
+/// let update = between(&steady, &changed).unwrap();
+/// assert_eq!((update.removed.len(), update.added.len()), (1, 1));
+/// assert_eq!(apply(&steady, &update).unwrap(), changed);
 /// ```
 pub fn between(known: &Quorum, next: &Quorum) -> Option<QuorumUpdate> {
-    let same_members = known.quorum_id == next.quorum_id
-        && known.participants.len() == next.participants.len()
-        && known
-            .participants
-            .iter()
-            .zip(&next.participants)
-            .all(|(k, n)| k.replica_id == n.replica_id);
-    if !same_members || next.participants.is_empty() {
+    if next.participants.is_empty() {
         return None;
     }
     let identity = most_held(&next.participants);
-    let changed: Vec<ChangedMember> = known
-        .participants
-        .iter()
-        .zip(&next.participants)
-        .enumerate()
-        .filter(|(_, (k, n))| holding(k, &identity) != **n)
-        .map(|(index, (_, n))| ChangedMember {
-            index: index as u32,
-            member: Some(n.clone()),
-        })
-        .collect();
-    if 2 * changed.len() > next.participants.len() {
+    let (old, new) = (&known.participants, &next.participants);
+    let (mut removed, mut added, mut changed) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        match (old.get(i), new.get(j)) {
+            (Some(o), Some(n)) if o.replica_id == n.replica_id => {
+                if holding(o, &identity) != *n {
+                    changed.push(ChangedMember {
+                        index: j as u32,
+                        member: Some(n.clone()),
+                    });
+                }
+                i += 1;
+                j += 1;
+            }
+            (Some(o), Some(n)) if o.replica_id < n.replica_id => {
+                removed.push(i as u32);
+                i += 1;
+            }
+            (Some(_), None) => {
+                removed.push(i as u32);
+                i += 1;
+            }
+            (_, Some(n)) => {
+                added.push(n.clone());
+                j += 1;
+            }
+            (None, None) => unreachable!("the walk ends with both lists"),
+        }
+    }
+    if 2 * (removed.len() + added.len() + changed.len()) > new.len() {
         return None;
     }
     Some(QuorumUpdate {
@@ -115,6 +138,8 @@ pub fn between(known: &Quorum, next: &Quorum) -> Option<QuorumUpdate> {
         base_issue: known.issue,
         identity: Some(identity),
         changed,
+        removed,
+        added,
     })
 }
 
@@ -139,37 +164,64 @@ fn most_held(members: &[Member]) -> StateIdentity {
 }
 
 /// The quorum `update` describes, from `known`, the quorum of its `base_issue`; an
-/// error that says what does not match when `known` is another.
+/// error that says what does not match when `known` is another, or when the update
+/// is not one `between` makes.
 pub fn apply(known: &Quorum, update: &QuorumUpdate) -> Result<Quorum, String> {
-    if known.issue != update.base_issue || known.quorum_id != update.quorum_id {
+    if known.issue != update.base_issue {
         return Err(format!(
-            "a quorum update of issue {} of quorum {} for a group that holds issue {} of \
-             quorum {}",
-            update.base_issue, update.quorum_id, known.issue, known.quorum_id
+            "a quorum update of issue {} for a group that holds issue {} (quorum {})",
+            update.base_issue, known.issue, known.quorum_id
         ));
     }
-    let identity = update
-        .identity
-        .unwrap_or_else(|| identity_of(&Member::default()));
-    let mut participants: Vec<Member> = known
-        .participants
-        .iter()
-        .map(|m| holding(m, &identity))
-        .collect();
+    let bad = |what: String| Err(format!("a quorum update that {what}"));
+    let identity = update.identity.unwrap_or_default();
+    let mut gone = update.removed.iter().map(|&k| k as usize).peekable();
+    let mut kept = Vec::with_capacity(known.participants.len());
+    for (k, member) in known.participants.iter().enumerate() {
+        if gone.next_if_eq(&k).is_none() {
+            kept.push(holding(member, &identity));
+        }
+    }
+    if let Some(k) = gone.next() {
+        return bad(format!(
+            "removes member {k} of a quorum of {} (or not in order)",
+            known.participants.len()
+        ));
+    }
+    // Both in replica-id order: merged, they are the new quorum's members.
+    let mut participants = Vec::with_capacity(kept.len() + update.added.len());
+    let mut added = update.added.iter().peekable();
+    for member in kept {
+        while let Some(a) = added.next_if(|a| a.replica_id < member.replica_id) {
+            participants.push(a.clone());
+        }
+        if added
+            .peek()
+            .is_some_and(|a| a.replica_id == member.replica_id)
+        {
+            return bad(format!("adds {:?}, a member already", member.replica_id));
+        }
+        participants.push(member);
+    }
+    participants.extend(added.cloned());
+    if participants
+        .windows(2)
+        .any(|w| w[0].replica_id >= w[1].replica_id)
+    {
+        return bad("adds members out of replica-id order".into());
+    }
     for changed in &update.changed {
-        let slot = participants
-            .get_mut(changed.index as usize)
-            .ok_or_else(|| {
-                format!(
-                    "a quorum update changes member {} of a quorum of {}",
-                    changed.index,
-                    known.participants.len()
-                )
-            })?;
+        let count = participants.len();
+        let Some(slot) = participants.get_mut(changed.index as usize) else {
+            return bad(format!(
+                "changes member {} of a quorum of {count}",
+                changed.index
+            ));
+        };
         let member = changed.member.clone().unwrap_or_default();
         if member.replica_id != slot.replica_id {
-            return Err(format!(
-                "a quorum update puts {:?} where the quorum holds {:?}",
+            return bad(format!(
+                "puts {:?} where the quorum holds {:?}",
                 member.replica_id, slot.replica_id
             ));
         }
@@ -214,37 +266,46 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever changed between two quorums of one membership, the update gives
-        /// back the next one exactly, or there is none and the whole one goes.
+        /// Whatever changed between two quorums (members gone and come, states,
+        /// records), the update gives back the next one exactly, or there is none
+        /// because most of the quorum changed.
         #[test]
         fn an_update_applied_to_the_known_quorum_is_the_next_quorum(
-            n in 1usize..40,
-            steps in proptest::collection::vec((0i64..4, any::<bool>(), 0u8..3), 40),
-            advance in 0i64..3,
+            known_ids in proptest::collection::btree_set(0usize..60, 1..30),
+            next_ids in proptest::collection::btree_set(0usize..60, 1..30),
+            states in proptest::collection::vec((0i64..4, any::<bool>(), 0u8..3), 60),
         ) {
-            let known = quorum(5, 1, (0..n).map(|i| member(i, 10, false, 0)).collect());
-            let next_members = (0..n)
-                .map(|i| {
-                    let (step, torn, address) = steps[i];
-                    member(i, 10 + advance * step, torn && step == 0, address)
+            let known = quorum(5, 1, known_ids.iter().map(|&i| member(i, 10, false, 0)).collect());
+            let next_members: Vec<Member> = next_ids
+                .iter()
+                .map(|&i| {
+                    let (step, torn, address) = states[i];
+                    member(i, 10 + step, torn && step == 0, address)
                 })
                 .collect();
-            let next = quorum(5, 2, next_members);
+            let n = next_members.len();
+            let next = quorum(6, 2, next_members);
             match between(&known, &next) {
                 Some(update) => {
-                    prop_assert!(2 * update.changed.len() <= n);
+                    let size = update.removed.len() + update.added.len() + update.changed.len();
+                    prop_assert!(2 * size <= n);
                     prop_assert_eq!(apply(&known, &update).unwrap(), next);
                 }
                 None => {
-                    // Only when most members changed more than their state.
+                    // Only when most of the quorum changed more than its state.
                     let identity = most_held(&next.participants);
-                    let changed = known
+                    let same = next
                         .participants
                         .iter()
-                        .zip(&next.participants)
-                        .filter(|(k, n)| holding(k, &identity) != **n)
+                        .filter(|m| {
+                            known
+                                .participants
+                                .iter()
+                                .any(|k| holding(k, &identity) == **m)
+                        })
                         .count();
-                    prop_assert!(2 * changed > n);
+                    let gone = known_ids.difference(&next_ids).count();
+                    prop_assert!(2 * (n - same + gone) > n);
                 }
             }
         }
@@ -263,11 +324,15 @@ mod tests {
         let update = between(&next, &healing).unwrap();
         assert_eq!(update.changed.len(), 1);
         assert_eq!(update.changed[0].index, 3);
-        // Another id, or other members, go whole.
-        assert!(between(&known, &quorum(6, 2, next.participants.clone())).is_none());
-        let mut other = next.clone();
-        other.participants[7].replica_id = "x".into();
-        assert!(between(&known, &other).is_none());
+        // A crash and a newcomer are a member removed and one added; a quorum mostly
+        // new goes whole.
+        let mut changed = quorum(6, 3, next.participants.clone());
+        changed.participants[7].replica_id = "g007b".into();
+        let update = between(&next, &changed).unwrap();
+        assert_eq!((update.removed.clone(), update.added.len()), (vec![7], 1));
+        assert_eq!(apply(&next, &update).unwrap(), changed);
+        let fresh = quorum(6, 3, (100..150).map(|i| member(i, 10, false, 0)).collect());
+        assert!(between(&next, &fresh).is_none());
     }
 
     #[test]
@@ -276,10 +341,7 @@ mod tests {
         let next = quorum(5, 2, (0..4).map(|i| member(i, 10, false, 0)).collect());
         let update = between(&known, &next).unwrap();
         let e = apply(&next, &update).unwrap_err();
-        assert!(
-            e.contains("issue 1 of quorum 5 for a group that holds issue 2"),
-            "{e}"
-        );
+        assert!(e.contains("issue 1 for a group that holds issue 2"), "{e}");
         let mut wrong = update.clone();
         wrong.changed.push(ChangedMember {
             index: 9,
