@@ -28,6 +28,11 @@ use crate::Error;
 
 /// Bytes per pacing step when a byte rate caps the sends.
 const PACED_PIECE: usize = 256 << 10;
+/// The most one write of a chunk hands the kernel: what it copied is still in this
+/// core's cache when it is checksummed. A write as large as the socket takes (4 MiB
+/// on loopback) left most of it in memory again, and its checksum cost 0.7 of the
+/// copy itself in a profile of a 1 GiB heal.
+const WRITE_PIECE: usize = 256 << 10;
 /// After a withdraw's grace, sends still reading the window are cut; they stop at
 /// their next write, well within this.
 const CUT_GRACE: Duration = Duration::from_secs(1);
@@ -545,10 +550,10 @@ fn chunk_of<'w>(window: &'w Window, request: &Request) -> Result<&'w [u8], Strin
     }
 }
 
-/// Writes `bytes`, each write as large as the socket takes, and checksums each part
-/// right after it went out: the kernel's copy has just pulled it into cache, so the
-/// checksum pass costs a fraction of a trip to memory. The window's bytes do not change
-/// while it is open, so the checksum covers what was sent.
+/// Writes `bytes`, each write at most `WRITE_PIECE`, and checksums each part right
+/// after it went out: the kernel's copy has just pulled it into cache, so the checksum
+/// pass costs a fraction of a trip to memory. The window's bytes do not change while
+/// it is open, so the checksum covers what was sent.
 async fn write_checksummed(
     stream: &mut Guarded,
     bytes: &[u8],
@@ -556,7 +561,8 @@ async fn write_checksummed(
 ) -> io::Result<()> {
     let mut sent = 0;
     while sent < bytes.len() {
-        let n = stream.write(&bytes[sent..]).await?;
+        let end = bytes.len().min(sent + WRITE_PIECE);
+        let n = stream.write(&bytes[sent..end]).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
