@@ -4,10 +4,16 @@ gradients averaged over the current quorum.
 Gradients are gathered into buckets as backward produces them; each full bucket's
 all-reduce starts at once, overlapping the rest of the backward pass, and each
 gradient becomes a view of its averaged bucket before the optimizer steps.
+
+A bucket's flat tensor is used again by a later step only once its all-reduce has
+completed: gloo cannot cancel a collective, so one abandoned by a failed step may
+still write into its tensor, which is then left to it. Reusing the others saves a
+fresh allocation (and its page faults) per bucket and step.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -17,19 +23,27 @@ from torch import nn
 from phalanx.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, cut
 from phalanx.manager import Manager
 
+#: Flat tensors a bucket keeps for later steps: two, so that gradients accumulated in
+#: place into the last averaged bucket (zero_grad(set_to_none=False)) can be copied
+#: into the other.
+KEPT_FLATS = 2
+
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready = 0
         self.launched = False
+        #: Flat tensors whose all-reduce completed: nothing writes into them any more.
+        self.done: list[torch.Tensor] = []
 
     def launch(self, manager: Manager) -> None:
         self.launched = True
         self.ready = 0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = self._flat(grads)
         ranks = manager.group_world_size
+        settled = True
         if ranks > 1:
             # Inside the group first, even when the step failed, so that its ranks stay
             # in step (a plain collective: a rank's death ends the group anyway), then
@@ -37,13 +51,28 @@ class _Bucket:
             try:
                 manager.group_process_group().allreduce([flat]).wait()
             except RuntimeError as e:
+                settled = False  # it may still write into `flat`
                 manager.report_error(f"all-reduce inside the group failed: {e}")
-        manager.allreduce(flat, then=lambda t: self._scatter(t, ranks))
+        manager.allreduce(flat, then=lambda t: self._scatter(t, ranks, settled))
 
-    def _scatter(self, flat: torch.Tensor, ranks: int) -> None:
+    def _flat(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients in one flat tensor that no later write of an abandoned
+        collective can reach, and that none of them lives in."""
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+        for i, flat in enumerate(self.done):
+            fits = flat.dtype == dtype and flat.device == grads[0].device
+            if fits and not any(_inside(g, flat) for g in grads):
+                del self.done[i]
+                return torch.cat([g.reshape(-1) for g in grads], out=flat)
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def _scatter(self, flat: torch.Tensor, ranks: int, settled: bool) -> None:
         """Each gradient becomes its slice of the averaged bucket: no copy back. The
-        bucket is this step's alone and its all-reduce is done, so nothing writes
-        into it later; a parameter of another dtype than the bucket takes a copy."""
+        bucket's all-reduce is done (`settled`: inside the group too), so nothing
+        writes into it later but this bucket, at a later step, once the gradients
+        are elsewhere; a parameter of another dtype than the bucket takes a copy."""
+        if settled:
+            self.done = [flat, *self.done][:KEPT_FLATS]
         if ranks > 1:
             flat.div_(ranks)
         offset = 0
@@ -52,6 +81,10 @@ class _Bucket:
             # `to` returns the view itself when the dtypes match.
             p.grad = flat[offset : offset + n].view(p.shape).to(p.dtype)
             offset += n
+
+
+def _inside(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 def _buckets(params: list[nn.Parameter], limit: int) -> Iterator[list[nn.Parameter]]:
