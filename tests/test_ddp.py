@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 import phalanx
 
-from conftest import in_groups, leave_together, manager_for
+from conftest import free_port, in_groups, leave_together, manager_for
 
 LR = 0.1
 STEPS = 3
@@ -129,3 +130,45 @@ def test_a_failed_steps_bucket_is_not_taken_again(lighthouse):
         assert again == committed, "a completed bucket was not taken again"
         assert failed not in (committed, after)
         assert after != committed, "the failed step's flat tensor was taken again"
+
+
+def test_the_ranks_of_a_group_apply_the_average_of_their_gradients(lighthouse):
+    """Inside a group of two ranks the bucket is summed first, then across the groups:
+    each rank's share of the average covers both sums."""
+    port = free_port()
+    managers = [
+        phalanx.Manager(
+            replica_id="a",
+            lighthouse=lighthouse.address,
+            group_rank=rank,
+            group_world_size=2,
+            store_port=port,
+            timeout=10.0,
+        )
+        for rank in (0, 1)
+    ]
+
+    def rank(index: int) -> list[torch.Tensor]:
+        model = copy.deepcopy(INITIAL)
+        ddp = phalanx.DistributedDataParallel(model, managers[index])
+        optimizer = phalanx.Optimizer(managers[index], torch.optim.SGD(model.parameters(), lr=LR))
+        optimizer.zero_grad()
+        loss(ddp, "ab"[index], 0).backward()
+        assert optimizer.step(), "the step did not commit"
+        return [p.grad.float() for p in model.parameters() if p.dtype == torch.float32]
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = [f.result(timeout=60) for f in [pool.submit(rank, i) for i in (0, 1)]]
+    finally:
+        for manager in managers:
+            manager.shutdown()
+    grads = []
+    for name in "ab":
+        reference = copy.deepcopy(INITIAL)
+        loss(reference, name, 0).backward()
+        grads.append([p.grad for p in reference.parameters() if p.dtype == torch.float32])
+    for a, b, ga, gb in zip(*got, *grads, strict=True):
+        assert torch.equal(a, b), "the ranks' gradients differ"
+        want = torch.zeros_like(a) if ga is None else (ga + gb) / 2
+        torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-6)
