@@ -8,7 +8,8 @@ gradient becomes a view of its averaged bucket before the optimizer steps.
 A bucket's flat tensor is used again by a later step only once its all-reduce has
 completed: gloo cannot cancel a collective, so one abandoned by a failed step may
 still write into its tensor, which is then left to it. Reusing the others saves a
-fresh allocation (and its page faults) per bucket and step.
+fresh allocation per bucket and step, which measured dearer than the copy into it
+(docs/benchmarks.md, step overhead).
 """
 
 from __future__ import annotations
