@@ -1,8 +1,9 @@
-"""What phalanx adds to a training step: the same model and data on 2 replica groups,
-phalanx DDP (quorum, fault-tolerant all-reduce, commit vote) against plain
-torch.nn.parallel.DistributedDataParallel over gloo with no fault tolerance.
+"""What phalanx adds to a training step: the same model and data on N replica groups
+(--groups, 2 by default), phalanx DDP (quorum, fault-tolerant all-reduce, commit vote)
+against plain torch.nn.parallel.DistributedDataParallel over gloo with no fault
+tolerance, on a world of N ranks.
 
-    python benches/step_overhead.py --steps 200 --rounds 5
+    python benches/step_overhead.py --steps 200 --rounds 5 --groups 3
 
 Each round runs both, one after the other; the ratio reported is the median of the
 rounds' ratios, with their min and max. On a busy machine the step time swings with
@@ -42,7 +43,10 @@ def run_worker(args: argparse.Namespace) -> None:
     model, batches = mlp_and_batches(args.width, args.rank)
     if args.worker == "torch":
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=args.rank,
+            world_size=args.groups,
         )
         ddp = nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -80,9 +84,9 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample
             rank=rank,
             port=port,
             lighthouse=lighthouse,
-            **passed_on(args, "steps", "warmup", "width"),
+            **passed_on(args, "steps", "warmup", "width", "groups"),
         )
-        for rank in range(2)
+        for rank in range(args.groups)
     ]
     results = worker_results(procs, mode)
     # The job's step time is its slowest rank's; CPU is what a rank spends per step.
@@ -99,15 +103,23 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument(
+        "--groups", type=int, default=2, help="replica groups (torch: ranks of one world)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a few steps, one round")
     add_worker_arguments(parser)
     args = parser.parse_args()
+    if args.groups < 2:
+        parser.error("--groups must be 2 or more: with one group there is nothing to reduce")
+    if args.quick:
+        args.steps, args.warmup, args.rounds, args.width = 20, 5, 1, 256
     if args.worker:
         run_worker(args)
         return
 
     # Interleaved, so that a machine busy for a while weighs on both sides alike.
     rounds = []
-    with lighthouse_process("--min-replicas", "2") as (address, _):
+    with lighthouse_process("--min-replicas", str(args.groups)) as (address, _):
         for _ in range(args.rounds):
             rounds.append((measure("torch", args), measure("phalanx", args, address)))
     step_ratios = [ours.step_ms / base.step_ms for base, ours in rounds]
@@ -127,9 +139,10 @@ def main() -> None:
         "cpu_ratio_min": round(min(cpu_ratios), 3),
         "cpu_ratio_max": round(max(cpu_ratios), 3),
         "rounds": args.rounds,
+        "groups": args.groups,
     }
     report(
-        f"step time, 2 groups, MLP of {params / 1e6:.1f}M parameters, median of "
+        f"step time, {args.groups} groups, MLP of {params / 1e6:.1f}M parameters, median of "
         f"{args.steps} steps; medians of {args.rounds} interleaved rounds",
         [
             ("torch DDP over gloo (ms)", result["baseline_ms"]),

@@ -14,9 +14,9 @@ from conftest import child_env
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
 
 
-def run_quick(script: str, timeout: float) -> dict:
+def run_quick(script: str, timeout: float, *flags: str) -> dict:
     done = subprocess.run(
-        [sys.executable, str(BENCHES / script), "--quick"],
+        [sys.executable, str(BENCHES / script), "--quick", *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -72,3 +72,11 @@ def test_job_isolation_quick():
         assert 0 < spread["min"] <= spread["median"] <= spread["max"], (key, spread)
     # The flood reached the lighthouse and was answered, as the ratio assumes.
     assert result["flood_answered_per_s"]["median"] > 0.5 * result["rate"]
+
+
+def test_step_overhead_quick():
+    result = run_quick("step_overhead.py", 120, "--groups", "3")
+    assert result["bench"] == "step_overhead" and result["groups"] == 3
+    assert result["phalanx_ms"] > 0 and result["baseline_ms"] > 0
+    for name in ("ratio", "cpu_ratio"):
+        assert result[f"{name}_min"] <= result[name] <= result[f"{name}_max"]

@@ -5,23 +5,25 @@ averages the two groups' gradients by hand.
 The model's one bucket holds a parameter of another dtype (bf16) and one that gets
 no gradient, so the bucket is launched by the flush before the vote and cast back
 per parameter. The second step zeroes the gradients in place, so it accumulates into
-the first step's averaged bucket.
+the first step's averaged bucket; the third takes that bucket's flat tensor again.
+A flat tensor whose all-reduce did not complete is never taken again.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
 
 import phalanx
 
-from conftest import in_groups, leave_together, manager_for
+from conftest import free_port, in_groups, leave_together, manager_for
 
 LR = 0.1
-STEPS = 2
+STEPS = 3
 
 
 class Net(nn.Module):
@@ -53,6 +55,10 @@ def loss(model: nn.Module, replica: str, step: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):
     def group(name: str, barrier: threading.Barrier) -> list[torch.Tensor]:
         # Every group starts from the same weights, so none heals at step 0 and
@@ -62,13 +68,19 @@ def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):
             model = copy.deepcopy(INITIAL)
             ddp = phalanx.DistributedDataParallel(model, manager)
             optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=LR))
+            flats = []
             for step in range(STEPS):
-                optimizer.zero_grad(set_to_none=step == 0)
+                optimizer.zero_grad(set_to_none=step != 1)
                 loss(ddp, name, step).backward()
                 assert optimizer.step(), f"step {step} did not commit"
-            # The fp32 gradients are views of the one averaged bucket, not copies.
-            fp32 = [p.grad for p in model.parameters() if p.dtype == torch.float32]
-            assert len({g.untyped_storage().data_ptr() for g in fp32}) == 1
+                # The fp32 gradients are views of the one averaged bucket, not copies.
+                fp32 = [p.grad for p in model.parameters() if p.dtype == torch.float32]
+                assert len({g.untyped_storage().data_ptr() for g in fp32}) == 1
+                flats.append(fp32[0])  # keeps the step's flat tensor alive
+            # Step 1 accumulated into step 0's bucket, so it was copied into another;
+            # step 2's gradients are fresh, and a kept flat tensor takes them.
+            first, second, third = (_storage(g) for g in flats)
+            assert first != second and third in (first, second)
             return [p.detach().clone() for p in model.parameters()]
         finally:
             leave_together(manager, barrier)
@@ -97,3 +109,66 @@ def test_two_groups_apply_the_average_of_their_gradients(lighthouse2):
         tol = 1e-2 if a.dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(a, want.detach(), rtol=tol, atol=tol)
     assert torch.equal(got_a[-2], INITIAL.unused.weight), "an unused parameter moved"
+
+
+def test_a_failed_steps_bucket_is_not_taken_again(lighthouse):
+    """gloo cannot cancel an all-reduce: one abandoned by a failed step may still
+    write into its flat tensor, which no later step may hold its gradients in."""
+    with manager_for(lighthouse, "a") as manager:
+        model = copy.deepcopy(INITIAL)
+        ddp = phalanx.DistributedDataParallel(model, manager)
+        optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=LR))
+        grads = []
+        for step, fails in enumerate([False, False, True, False]):
+            optimizer.zero_grad()
+            if fails:
+                manager.report_error("a peer died (as the test says)")
+            loss(ddp, "a", step).backward()
+            assert optimizer.step() is not fails
+            grads.append(model.body[0].weight.grad)  # keeps its tensor alive
+        committed, again, failed, after = (_storage(g) for g in grads)
+        assert again == committed, "a completed bucket was not taken again"
+        assert failed not in (committed, after)
+        assert after != committed, "the failed step's flat tensor was taken again"
+
+
+def test_the_ranks_of_a_group_apply_the_average_of_their_gradients(lighthouse):
+    """Inside a group of two ranks the bucket is summed first, then across the groups:
+    each rank's share of the average covers both sums."""
+    port = free_port()
+    managers = [
+        phalanx.Manager(
+            replica_id="a",
+            lighthouse=lighthouse.address,
+            group_rank=rank,
+            group_world_size=2,
+            store_port=port,
+            timeout=10.0,
+        )
+        for rank in (0, 1)
+    ]
+
+    def rank(index: int) -> list[torch.Tensor]:
+        model = copy.deepcopy(INITIAL)
+        ddp = phalanx.DistributedDataParallel(model, managers[index])
+        optimizer = phalanx.Optimizer(managers[index], torch.optim.SGD(model.parameters(), lr=LR))
+        optimizer.zero_grad()
+        loss(ddp, "ab"[index], 0).backward()
+        assert optimizer.step(), "the step did not commit"
+        return [p.grad.float() for p in model.parameters() if p.dtype == torch.float32]
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = [f.result(timeout=60) for f in [pool.submit(rank, i) for i in (0, 1)]]
+    finally:
+        for manager in managers:
+            manager.shutdown()
+    grads = []
+    for name in "ab":
+        reference = copy.deepcopy(INITIAL)
+        loss(reference, name, 0).backward()
+        grads.append([p.grad for p in reference.parameters() if p.dtype == torch.float32])
+    for a, b, ga, gb in zip(*got, *grads, strict=True):
+        assert torch.equal(a, b), "the ranks' gradients differ"
+        want = torch.zeros_like(a) if ga is None else (ga + gb) / 2
+        torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-6)
