@@ -54,14 +54,6 @@ fn holding(member: &Member, identity: &StateIdentity) -> Member {
     }
 }
 
-fn identity_of(member: &Member) -> StateIdentity {
-    StateIdentity {
-        lineage: member.lineage,
-        step: member.step,
-        state_quorum_id: member.state_quorum_id,
-    }
-}
-
 /// `next` as a change to `known`: the members gone and come (both quorums are in
 /// replica-id order, so one merged walk finds them), the state most members of
 /// `next` hold, and the records that differ otherwise. None when that is most of the
