@@ -10,12 +10,16 @@ run quorum rounds; each run measures them three ways, one after the other:
 - while job a floods the lighthouse with `--rate` requests a second (status calls
   and garbage quorum requests in turn, over 16 connections of its own);
 - while the same flood comes as job b's own (what isolation is measured against:
-  the job's own lock and deadlines are then in the flood's way).
+  the job's own lock and deadlines are then in the flood's way);
+- while the same flood goes to another lighthouse process (what the flood costs the
+  machine alone: its generator and a lighthouse busy with it take the same cores,
+  but none of b's lighthouse).
 
 Reported: job b's quorum p50/p99 in each, and the ratio of its p99 under a's flood
 to its baseline (median, min and max over the runs). Goal: within 2×. The flood,
 the driver and the lighthouse share the machine's cores, so some slowing is the
-cores' and not the lighthouse's; the flood of b's own says how much is the job's.
+cores' and not the lighthouse's: the flood elsewhere says how much, the flood of b's
+own how much is the job's.
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ def under_flood(
     return timings, sent / seconds, answered / seconds, covered
 
 
+def under_flood_elsewhere(
+    address: str, other: str, rate: float, seconds: float, groups: int, rounds: int
+) -> list[float]:
+    """Job b's rounds at `address` while job a floods the lighthouse at `other`."""
+    thread = threading.Thread(target=_testing.bench_flood, args=(other, "a", rate, seconds))
+    thread.start()
+    time.sleep(WARMUP_S)
+    timings = rounds_ms(address, groups, rounds)
+    thread.join()
+    return timings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=10_000.0, help="flood requests a second")
@@ -74,13 +90,14 @@ def main() -> None:
 
     flags = cli_flags(join_timeout="1s", heartbeat_timeout="5s")
     runs = []
-    with lighthouse_process(*flags) as (address, pid):
+    with lighthouse_process(*flags) as (address, pid), lighthouse_process(*flags) as (elsewhere, _):
         for _ in range(args.runs):
             cpu = cpu_seconds(pid)
             alone = rounds_ms(address, args.groups, args.rounds)
             flood_args = (args.rate, args.flood_seconds, args.groups, args.rounds)
             other, sent, answered, covered = under_flood(address, "a", *flood_args)
             own, _, _, own_covered = under_flood(address, "b", *flood_args)
+            beside = under_flood_elsewhere(address, elsewhere, *flood_args)
             runs.append(
                 {
                     "alone_p50_ms": percentile(alone, 50),
@@ -88,6 +105,7 @@ def main() -> None:
                     "other_flood_p50_ms": percentile(other, 50),
                     "other_flood_p99_ms": percentile(other, 99),
                     "own_flood_p99_ms": percentile(own, 99),
+                    "flood_elsewhere_p99_ms": percentile(beside, 99),
                     "flood_sent_per_s": sent,
                     "flood_answered_per_s": answered,
                     "rounds_within_flood": covered and own_covered,
@@ -106,6 +124,7 @@ def main() -> None:
     for r in runs:
         r["ratio_p99_other_flood"] = r["other_flood_p99_ms"] / r["alone_p99_ms"]
         r["ratio_p99_own_flood"] = r["own_flood_p99_ms"] / r["alone_p99_ms"]
+        r["ratio_p99_flood_elsewhere"] = r["flood_elsewhere_p99_ms"] / r["alone_p99_ms"]
     result = {
         "bench": "job_isolation",
         "rate": args.rate,
@@ -113,6 +132,7 @@ def main() -> None:
         "runs": len(runs),
         "ratio_p99_other_flood": spread("ratio_p99_other_flood"),
         "ratio_p99_own_flood": spread("ratio_p99_own_flood"),
+        "ratio_p99_flood_elsewhere": spread("ratio_p99_flood_elsewhere"),
         "alone_p99_ms": spread("alone_p99_ms"),
         "other_flood_p99_ms": spread("other_flood_p99_ms"),
         "flood_sent_per_s": spread("flood_sent_per_s"),
@@ -128,6 +148,7 @@ def main() -> None:
             ("b, a flooding: p99 (ms)", m["other_flood_p99_ms"]),
             ("ratio to alone, a flooding", m["ratio_p99_other_flood"]),
             ("ratio to alone, b flooding itself", m["ratio_p99_own_flood"]),
+            ("ratio to alone, a flooding another lighthouse", m["ratio_p99_flood_elsewhere"]),
             (
                 "flood sent / answered per s",
                 f"{m['flood_sent_per_s']:.0f} / {m['flood_answered_per_s']:.0f}",
