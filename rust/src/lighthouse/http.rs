@@ -33,11 +33,15 @@ pub(crate) fn router(site: Arc<Site>, token: JobToken) -> Router {
 
 /// The job a page is asked about (`?job=`; none: the default job).
 fn query_job(request: &Request) -> Result<JobName, tonic::Status> {
-    let named = request
-        .uri()
-        .query()
-        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("job=")));
-    JobName::parse(named)
+    JobName::parse(query_value(request, "job"))
+}
+
+/// The value of `key` in a request's query string, if it names one.
+fn query_value<'a>(request: &'a Request, key: &str) -> Option<&'a str> {
+    let query = request.uri().query()?;
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
 /// The page's script passes `?token=` on to `/status`, so a browser needs no header.
@@ -52,10 +56,7 @@ async fn require_token(
         .headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let from_query = request
-        .uri()
-        .query()
-        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("token=")));
+    let from_query = query_value(&request, "token");
     let ticket = request.extensions().get::<Ticket>().cloned();
     let job = match query_job(&request) {
         Ok(job) => job,

@@ -98,7 +98,7 @@ impl Site {
         let mut jobs = self.jobs();
         if let Some(shared) = jobs.get(&request.job) {
             let agreed = request.rules.agree_with(&request.job, &shared.rules);
-            return refuse(self.metrics.refusals.clone(), Refusal::Invalid, agreed)
+            return refuse(&self.metrics.refusals, Refusal::Invalid, agreed)
                 .map(|_| shared.clone());
         }
         if jobs.len() >= self.limits.max_jobs {
@@ -117,7 +117,7 @@ impl Site {
             self.defaults
         } else {
             let made = request.rules.over(&self.defaults);
-            refuse(self.metrics.refusals.clone(), Refusal::Invalid, made)?
+            refuse(&self.metrics.refusals, Refusal::Invalid, made)?
         };
         let shared = Shared::new(
             request.job.clone(),
@@ -407,7 +407,7 @@ impl Shared {
         let now = Instant::now();
         self.admit(now)?;
         let ticket = refuse(
-            self.refusals.clone(),
+            &self.refusals,
             Refusal::DuplicateReplica,
             st.join_knowing(member.into(), last_quorum_id, known_issue, now, reply_tx),
         )?;
@@ -434,7 +434,7 @@ impl Shared {
         // Joined before this returns, so the stream's next ask supersedes this one in
         // the order the group sent them.
         let joined = refuse(
-            self.refusals.clone(),
+            &self.refusals,
             Refusal::Invalid,
             validate::ask(&ask, replica_id),
         )
@@ -586,7 +586,7 @@ async fn first_beat(
         validate::replica_id(&first.replica_id)?;
         validate::beat(&first)
     });
-    refuse(refusals.clone(), Refusal::Invalid, checked)?;
+    refuse(refusals, Refusal::Invalid, checked)?;
     Ok(first)
 }
 
@@ -736,7 +736,7 @@ fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEve
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::LighthouseEvent, Status>> + Send>>;
 
-fn refuse<T>(refusals: Refusals, reason: Refusal, r: Result<T, Status>) -> Result<T, Status> {
+fn refuse<T>(refusals: &Refusals, reason: Refusal, r: Result<T, Status>) -> Result<T, Status> {
     if r.is_err() {
         refusals.count(reason);
     }
@@ -760,7 +760,7 @@ impl Lighthouse for LighthouseService {
             validate::quorum_id("last_quorum_id", req.last_quorum_id)?;
             Ok((member, validate::timeout_ms(req.timeout_ms)?))
         });
-        let (member, timeout) = refuse(shared.refusals.clone(), Refusal::Invalid, checked)?;
+        let (member, timeout) = refuse(&shared.refusals, Refusal::Invalid, checked)?;
         let quorum = shared
             .quorum_for(member, req.last_quorum_id, timeout)
             .await?;
@@ -801,7 +801,7 @@ impl Lighthouse for LighthouseService {
             let now = Instant::now();
             shared.admit(now)?;
             let opened = refuse(
-                shared.refusals.clone(),
+                &shared.refusals,
                 Refusal::DuplicateReplica,
                 st.open_stream(&first, peer, events_tx, now),
             )?;
