@@ -4,15 +4,21 @@
 
 A separate load process keeps `--replicas` heartbeat streams open, each beating
 `--hz` times a second and reading its leases, each on a connection of its own as real
-groups connect (`--connections` fewer shares them). Meanwhile this process measures
-quorum rounds of `--quorum-groups` other groups. The lighthouse's CPU time (from /proc)
-divided by the beats it counted (from /metrics) gives its cost per beat; the fewest
-live groups seen during the measurement says whether it carried them all.
+groups connect. Meanwhile this process measures quorum rounds of `--quorum-groups`
+other groups. The lighthouse's CPU time (from /proc) divided by the beats it counted
+(from /metrics) gives its cost per beat; the fewest live groups seen during the
+measurement says whether it carried them all.
+
+Each run measures both heartbeat transports in turn, each with a lighthouse of its
+own: framed (what groups use) and gRPC (`Lighthouse.Heartbeat` over HTTP/2, the
+yardstick; `--connections` fewer than the groups multiplexes its streams on them).
+The ratio is the gRPC stream's cost per beat over the framed one's.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import time
@@ -25,9 +31,9 @@ from harness import cli_flags, cpu_seconds, lighthouse_process, metric, percenti
 LOAD = """
 import sys
 from phalanx._core import _testing
-address, replicas, hz, seconds, connections = sys.argv[1:]
+address, replicas, hz, seconds, connections, transport = sys.argv[1:]
 print(_testing.bench_heartbeats(address, int(replicas), float(hz), float(seconds),
-                               connections=int(connections)), flush=True)
+                               connections=int(connections), transport=transport), flush=True)
 """
 
 
@@ -41,17 +47,9 @@ def live_during(address: str, until: float) -> int:
     return int(fewest)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=10_000)
-    parser.add_argument("--hz", type=float, default=10.0)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--connections", type=int, default=None, help="default: one per group")
-    parser.add_argument("--quorum-groups", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=200)
-    args = parser.parse_args()
+def measure(args: argparse.Namespace, transport: str) -> dict[str, float]:
+    """One transport's run on a lighthouse of its own."""
     connections = args.connections or args.replicas
-
     flags = cli_flags(join_timeout="1s", heartbeat_timeout="5s")
     with lighthouse_process(*flags) as (address, pid):
         load = subprocess.Popen(
@@ -64,6 +62,7 @@ def main() -> None:
                 str(args.hz),
                 str(args.seconds),
                 str(connections),
+                transport,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -73,7 +72,7 @@ def main() -> None:
             deadline = time.monotonic() + args.seconds / 2
             while metric(address, "phalanx_lighthouse_live_replicas") < args.replicas:
                 if time.monotonic() > deadline:
-                    raise TimeoutError("the load did not open its streams in time")
+                    raise TimeoutError(f"the {transport} load did not open its streams in time")
                 time.sleep(0.2)
             time.sleep(1.0)
             beats0, cpu0, t0 = (
@@ -83,7 +82,9 @@ def main() -> None:
             )
             with ThreadPoolExecutor(1) as watch:
                 fewest = watch.submit(live_during, address, t0 + 3.0)
-                timings = _testing.bench_quorum_rounds(address, args.quorum_groups, args.rounds)
+                timings = _testing.bench_quorum_rounds(
+                    address, args.quorum_groups, args.rounds, transport=transport
+                )
                 fewest = fewest.result()
             beats1, cpu1, t1 = (
                 metric(address, "phalanx_lighthouse_heartbeats_total"),
@@ -95,27 +96,81 @@ def main() -> None:
             stop(load)
     beats = beats1 - beats0
     # The quorum rounds cost the lighthouse some CPU too, so this is an upper bound.
-    us_per_beat = (cpu1 - cpu0) / beats * 1e6 if beats else float("nan")
     latencies = [s * 1e3 for s, _, _ in timings]
-    result = {
+    return {
+        "heartbeats_per_s": beats / (t1 - t0),
+        "us_per_beat": (cpu1 - cpu0) / beats * 1e6 if beats else float("nan"),
+        "quorum_p50_ms": percentile(latencies, 50),
+        "quorum_p99_ms": percentile(latencies, 99),
+        "fewest_live": fewest,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=10_000)
+    parser.add_argument("--hz", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--connections", type=int, default=None, help="gRPC's connections; default: one per group"
+    )
+    parser.add_argument("--quorum-groups", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=1, help="runs of both transports, interleaved")
+    parser.add_argument("--transports", default="framed,grpc")
+    args = parser.parse_args()
+    transports = args.transports.split(",")
+
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
+    failed: dict[str, str] = {}
+    for _ in range(args.runs):
+        for transport in transports:
+            try:
+                runs[transport].append(measure(args, transport))
+            except TimeoutError as e:
+                failed[transport] = str(e)
+
+    def median(transport: str, key: str) -> float:
+        values = [run[key] for run in runs[transport]]
+        return statistics.median(values) if values else float("nan")
+
+    result: dict[str, object] = {
         "bench": "heartbeat_capacity",
         "replicas": args.replicas,
-        "heartbeats_per_s": round(beats / (t1 - t0)),
-        "lighthouse_cpu_us_per_beat": round(us_per_beat, 2),
-        "quorum_p99_ms_under_load": round(percentile(latencies, 99), 3),
-        "connections": connections,
-        "fewest_live_replicas": fewest,
+        "hz": args.hz,
+        "runs": args.runs,
     }
+    rows = []
+    for t in transports:
+        if not runs[t]:
+            result[t] = {"failed": failed[t]}
+            rows.append((f"{t}: failed", failed[t]))
+            continue
+        us = [run["us_per_beat"] for run in runs[t]]
+        result[t] = {
+            "heartbeats_per_s": round(median(t, "heartbeats_per_s")),
+            "lighthouse_cpu_us_per_beat": round(median(t, "us_per_beat"), 2),
+            "us_per_beat_min_max": [round(min(us), 2), round(max(us), 2)],
+            "quorum_p50_ms_under_load": round(median(t, "quorum_p50_ms"), 3),
+            "quorum_p99_ms_under_load": round(median(t, "quorum_p99_ms"), 3),
+            "fewest_live_replicas": int(min(run["fewest_live"] for run in runs[t])),
+            "runs_failed": args.runs - len(runs[t]),
+        }
+        rows += [
+            (f"{t}: heartbeats / s", result[t]["heartbeats_per_s"]),
+            (f"{t}: lighthouse CPU per beat (us)", result[t]["lighthouse_cpu_us_per_beat"]),
+            (f"{t}: quorum p50 under load (ms)", result[t]["quorum_p50_ms_under_load"]),
+            (f"{t}: quorum p99 under load (ms)", result[t]["quorum_p99_ms_under_load"]),
+            (f"{t}: fewest live groups while measured", result[t]["fewest_live_replicas"]),
+        ]
+    if runs.get("framed") and runs.get("grpc"):
+        ratio = median("grpc", "us_per_beat") / median("framed", "us_per_beat")
+        result["grpc_over_framed_cpu_per_beat"] = round(ratio, 2)
+        rows.append(("gRPC's CPU per beat / framed's", result["grpc_over_framed_cpu_per_beat"]))
     report(
         f"heartbeat capacity: {args.replicas} groups at {args.hz:g} Hz, "
-        f"{args.quorum_groups} groups in quorum rounds",
-        [
-            ("heartbeats / s", result["heartbeats_per_s"]),
-            ("lighthouse CPU per beat (us)", result["lighthouse_cpu_us_per_beat"]),
-            ("quorum p50 under load (ms)", round(percentile(latencies, 50), 3)),
-            ("quorum p99 under load (ms)", result["quorum_p99_ms_under_load"]),
-            ("fewest live groups while measured", fewest),
-        ],
+        f"{args.quorum_groups} groups in quorum rounds, {args.runs} run(s)",
+        rows,
         result,
     )
 

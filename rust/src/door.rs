@@ -187,6 +187,16 @@ impl Guarded {
         &self.ticket
     }
 
+    /// The connection's first byte, left to be read; None if it closes before one
+    /// comes (the door closes a connection that stays silent while unproven).
+    pub async fn first_byte(&mut self) -> Option<u8> {
+        let mut byte = [0u8; 1];
+        tokio::select! {
+            peeked = self.stream.peek(&mut byte) => matches!(peeked, Ok(1)).then_some(byte[0]),
+            _ = &mut self.closed => None,
+        }
+    }
+
     /// Err once the door has closed the connection; else notes the activity.
     fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
         if self.closed.as_mut().poll(cx).is_ready() {

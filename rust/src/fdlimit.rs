@@ -1,7 +1,7 @@
 //! The file descriptors a listener needs for the connections it admits.
 //!
 //! Every connection is a descriptor, and a process starts with the soft limit its
-//! parent gave it: often 1,024, far below the 12,756 connections a lighthouse admits
+//! parent gave it: often 1,024, far below the 22,756 connections a lighthouse admits
 //! for 10,000 groups. A process may raise its soft limit up to its hard limit without
 //! privileges, so the lighthouse does that at start; past the hard limit only the
 //! operator can help (`ulimit -Hn`, systemd's `LimitNOFILE=`, `docker run --ulimit`), and

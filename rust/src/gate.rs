@@ -46,19 +46,23 @@ impl GateLimits {
         idle: Duration::from_secs(60),
     };
     /// The lighthouse of a job (or jobs) of up to `groups` replica groups: each keeps
-    /// one connection, and one that reconnects after a cut holds a second until the old
-    /// one's keepalive gives up on it; beyond those, room for scrapes of the status page
-    /// and metrics, operators' calls and the set's own peers. The unproven cap does not
-    /// grow with it: a flood stays as small as ever.
+    /// one connection for its heartbeat stream and, for a minute after a call of its
+    /// own (a quorum asked while no stream is open), a second; one that reconnects
+    /// after a cut holds another until the old one is given up; beyond those, room
+    /// for scrapes of the status page and metrics, operators' calls and the set's own
+    /// peers. The unproven cap does not grow with it: a flood stays as small as ever.
     ///
     /// ```
     /// use phalanx::gate::GateLimits;
-    /// assert_eq!(GateLimits::lighthouse(10_000).max_connections, 12_756);
+    /// assert_eq!(GateLimits::lighthouse(10_000).max_connections, 22_756);
     /// assert_eq!(GateLimits::lighthouse(10_000).max_unproven, GateLimits::RPC.max_unproven);
     /// ```
     pub fn lighthouse(groups: usize) -> GateLimits {
         GateLimits {
-            max_connections: groups.saturating_add(groups / 4).saturating_add(256),
+            max_connections: groups
+                .saturating_mul(2)
+                .saturating_add(groups / 4)
+                .saturating_add(256),
             ..GateLimits::RPC
         }
     }

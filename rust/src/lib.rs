@@ -8,6 +8,7 @@ pub mod delta;
 pub mod door;
 mod error;
 pub mod fdlimit;
+pub mod frames;
 pub mod gate;
 pub mod lighthouse;
 /// Load generators for the benchmarks (`phalanx._core._testing`).

@@ -10,6 +10,7 @@ use tokio::sync::{mpsc, Barrier};
 use crate::auth::JobToken;
 use crate::lighthouse::client::LighthouseClient;
 use crate::lighthouse::jobs::JobRequest;
+use crate::lighthouse::wire::{BeatEvents, BeatTransport};
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 use crate::Error;
 
@@ -39,7 +40,7 @@ struct QuorumId {
 struct Group {
     replica_id: String,
     beats: mpsc::Sender<proto::Beat>,
-    events: tonic::Streaming<proto::LighthouseEvent>,
+    events: BeatEvents,
     asked: u64,
     /// The issue of the last quorum it got (see `proto::QuorumAsk.known_issue`).
     known_issue: u64,
@@ -119,22 +120,26 @@ fn beat(replica_id: &str) -> proto::Beat {
     }
 }
 
-/// `replicas` groups, each with its own connection and heartbeat stream, ask for
-/// `rounds` quorums in lock-step. With `change_every` > 0, one extra group joins on
-/// every such round and leaves (its heartbeat stream dropped, as on a crash) on the
-/// one after.
+/// `replicas` groups, each with its own connection and heartbeat stream (over
+/// `transport`), ask for `rounds` quorums in lock-step. With `change_every` > 0, one
+/// extra group joins on every such round and leaves (its heartbeat stream dropped, as
+/// on a crash) on the one after.
+#[allow(clippy::too_many_arguments)]
 pub async fn quorum_rounds(
     address: &str,
     token: &JobToken,
     job: &JobRequest,
+    transport: BeatTransport,
     replicas: usize,
     rounds: usize,
     change_every: usize,
     timeout: Duration,
 ) -> Result<Vec<RoundTiming>, Error> {
     let status = LighthouseClient::for_job(address, token, job, timeout)?;
-    let extra_client = LighthouseClient::for_job(address, token, job, timeout)?;
-    let mut groups = open_groups(address, token, job, "group", replicas, timeout).await?;
+    let extra_client =
+        LighthouseClient::for_job(address, token, job, timeout)?.beats_over(transport);
+    let mut groups =
+        open_groups(address, token, job, transport, "group", replicas, timeout).await?;
     let mut timings = Vec::with_capacity(rounds);
     let mut extra = None;
     // Round 0 forms the first quorum; it is not reported.
@@ -205,6 +210,7 @@ async fn open_groups(
     address: &str,
     token: &JobToken,
     job: &JobRequest,
+    transport: BeatTransport,
     prefix: &str,
     replicas: usize,
     timeout: Duration,
@@ -215,7 +221,7 @@ async fn open_groups(
     let opening = Arc::new(tokio::sync::Semaphore::new(OPENING_AT_ONCE));
     let mut tasks = Vec::with_capacity(replicas);
     for g in 0..replicas {
-        let client = LighthouseClient::for_job(address, token, job, timeout)?;
+        let client = LighthouseClient::for_job(address, token, job, timeout)?.beats_over(transport);
         let (opening, replica_id) = (opening.clone(), format!("{prefix}-{g:05}"));
         tasks.push(tokio::spawn(async move {
             let _opening = opening.acquire().await;
@@ -261,6 +267,7 @@ async fn ask_all(groups: Vec<Group>, timeout: Duration) -> Result<(Vec<Group>, u
 pub async fn crash_told(
     address: &str,
     token: &JobToken,
+    transport: BeatTransport,
     replicas: usize,
     trials: usize,
     timeout: Duration,
@@ -269,6 +276,7 @@ pub async fn crash_told(
         address,
         token,
         &JobRequest::default(),
+        transport,
         "group",
         replicas,
         timeout,
@@ -280,6 +288,7 @@ pub async fn crash_told(
             address,
             token,
             &JobRequest::default(),
+            transport,
             &format!("crash{trial}"),
             1,
             timeout,
@@ -357,19 +366,26 @@ async fn wait_until_joined(
 /// Connections the heartbeat load opens at once (see `heartbeats`).
 const OPENING_AT_ONCE: usize = 64;
 
-/// Keeps `replicas` heartbeat streams open, each beating `hz` times a second, over
-/// `connections` connections, for `duration`; every stream reads what the lighthouse
-/// sends it (a lease per beat), as a group does. Returns the beats sent.
+/// Keeps `replicas` heartbeat streams open over `transport`, each beating `hz` times a
+/// second, for `duration`, driven by `connections` tasks (over gRPC, a connection
+/// each, its streams multiplexed on it; framed, every stream is a connection of its
+/// own); every stream reads what the lighthouse sends it (its leases), as a group
+/// does. Returns the beats sent.
 pub async fn heartbeats(
     address: &str,
     token: &JobToken,
+    transport: BeatTransport,
     replicas: usize,
     hz: f64,
     connections: usize,
     duration: Duration,
 ) -> Result<u64, Error> {
     let connections = connections.clamp(1, replicas.max(1));
-    if let Some(warning) = crate::fdlimit::ensure(connections, "the load's connections") {
+    let sockets = match transport {
+        BeatTransport::Grpc => connections,
+        BeatTransport::Framed => replicas,
+    };
+    if let Some(warning) = crate::fdlimit::ensure(sockets, "the load's connections") {
         return Err(Error::InvalidConfig(warning));
     }
     let period = Duration::from_secs_f64(1.0 / hz.max(0.001));
@@ -380,7 +396,8 @@ pub async fn heartbeats(
     let mut tasks = Vec::new();
     for c in 0..connections {
         let opening = opening.clone();
-        let client = LighthouseClient::new(address, token, Duration::from_secs(10))?;
+        let client =
+            LighthouseClient::new(address, token, Duration::from_secs(10))?.beats_over(transport);
         let ids: Vec<String> = (c..replicas)
             .step_by(connections)
             .map(|g| format!("beat-{g:06}"))

@@ -11,7 +11,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::service::Routes;
 
-use crate::door::{self, Door};
+use crate::door::{self, Door, Guarded};
+use crate::frames;
 use crate::Error;
 
 /// How long a stopping server waits for open calls before dropping them.
@@ -106,15 +107,40 @@ pub async fn bind_also(bound: SocketAddr, host: &str) -> Result<Option<TcpListen
     }
 }
 
+/// Sends each connection `admitted` on to `http` or `framed` by its first byte, read
+/// by a task of its own: a connection that sends nothing holds up no other.
+async fn sort(
+    mut admitted: mpsc::Receiver<Guarded>,
+    http: mpsc::Sender<Guarded>,
+    framed: FramedDoor,
+) {
+    while let Some(mut conn) = admitted.recv().await {
+        let (http, framed) = (http.clone(), framed.clone());
+        tokio::spawn(async move {
+            match conn.first_byte().await {
+                Some(first) if frames::speaks_frames(first) => framed(conn),
+                Some(_) => {
+                    let _ = http.send(conn).await;
+                }
+                None => {}
+            }
+        });
+    }
+}
+
+/// Takes the connections that open with `frames::PREFACE` instead of HTTP.
+pub type FramedDoor = Arc<dyn Fn(Guarded) + Send + Sync>;
+
 /// Serves `routes` on `listener` (and `more` listeners: the handle reports the first
 /// one's address) until `shutdown` is set (or the handle dropped), letting connections
-/// in through `door`.
+/// in through `door`; those that speak frames go to `framed`, when given.
 pub fn spawn(
     listener: TcpListener,
     more: Vec<TcpListener>,
     routes: Routes,
     shutdown: watch::Sender<bool>,
     door: Arc<Door>,
+    framed: Option<FramedDoor>,
 ) -> ServerHandle {
     let addr = listener
         .local_addr()
@@ -127,9 +153,17 @@ pub fn spawn(
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
         .add_routes(routes);
-    let (admitted, incoming) = mpsc::channel(64);
+    let (http, incoming) = mpsc::channel(64);
     let incoming = ReceiverStream::new(incoming).map(Ok::<_, std::io::Error>);
     let mut tasks = vec![tokio::spawn(door.clone().sweep(shutdown.subscribe()))];
+    let admitted = match framed {
+        Some(framed) => {
+            let (admitted, sorting) = mpsc::channel(64);
+            tasks.push(tokio::spawn(sort(sorting, http, framed)));
+            admitted
+        }
+        None => http,
+    };
     for listener in std::iter::once(listener).chain(more) {
         tasks.push(tokio::spawn(door::accept(
             listener,

@@ -137,7 +137,7 @@ fn ids(quorum: &proto::Quorum) -> Vec<&str> {
 /// An open heartbeat stream: the sender that feeds its beats and the events coming back.
 struct Heartbeat {
     beats: mpsc::Sender<proto::Beat>,
-    events: tonic::Streaming<proto::LighthouseEvent>,
+    events: phalanx::lighthouse::wire::BeatEvents,
 }
 
 async fn open_heartbeat(client: &LighthouseClient, id: &str) -> Result<Heartbeat, Error> {
@@ -170,7 +170,7 @@ fn keep_beating(beats: mpsc::Sender<proto::Beat>, id: &str) -> JoinHandle<()> {
 /// A group that stays alive: heartbeat stream open and beating.
 struct LiveGroup {
     beating: JoinHandle<()>,
-    events: tonic::Streaming<proto::LighthouseEvent>,
+    events: phalanx::lighthouse::wire::BeatEvents,
     client: LighthouseClient,
 }
 
@@ -187,7 +187,7 @@ async fn live_group(addr: SocketAddr, id: &str) -> LiveGroup {
 }
 
 async fn next_membership_lost(
-    events: &mut tonic::Streaming<proto::LighthouseEvent>,
+    events: &mut phalanx::lighthouse::wire::BeatEvents,
     within: Duration,
 ) -> proto::MembershipLost {
     let event = bounded("membership-loss event", within, next_event(events))
@@ -202,7 +202,7 @@ async fn next_membership_lost(
 
 /// The next event other than the leases that acknowledge the group's beats.
 async fn next_event(
-    events: &mut tonic::Streaming<proto::LighthouseEvent>,
+    events: &mut phalanx::lighthouse::wire::BeatEvents,
 ) -> Result<Option<proto::lighthouse_event::Event>, tonic::Status> {
     loop {
         match events.message().await? {
@@ -820,7 +820,7 @@ fn ask_beat(ask_id: u64, requester: proto::Member, timeout: Duration) -> proto::
 
 /// The next event on a stream, leases included.
 async fn next_raw_event(
-    events: &mut tonic::Streaming<proto::LighthouseEvent>,
+    events: &mut phalanx::lighthouse::wire::BeatEvents,
 ) -> proto::lighthouse_event::Event {
     bounded("heartbeat event", PATIENCE, events.message())
         .await
@@ -830,7 +830,7 @@ async fn next_raw_event(
         .expect("an event")
 }
 
-async fn next_answer(events: &mut tonic::Streaming<proto::LighthouseEvent>) -> proto::QuorumAnswer {
+async fn next_answer(events: &mut phalanx::lighthouse::wire::BeatEvents) -> proto::QuorumAnswer {
     match bounded("quorum answer", PATIENCE, next_event(events))
         .await
         .expect("event stream healthy")
@@ -1180,3 +1180,5 @@ async fn a_flood_of_asks_on_one_stream_leaves_only_the_last_one_waiting() {
 
 #[path = "lighthouse/jobs.rs"]
 mod jobs;
+#[path = "lighthouse/wire.rs"]
+mod wire;

@@ -51,20 +51,44 @@ pub fn job_of<T>(request: &Request<T>) -> JobRequest {
         .unwrap_or_default()
 }
 
-/// The token check of the lighthouse's gRPC service, by job: an admitted request
-/// proves its connection (see `gate`), a refused one is counted.
+/// The token check of every request to the lighthouse, gRPC or framed: the job the
+/// request names (`parsed` from what it sent), if `presented` opens it; else why not,
+/// and the reason to count.
+pub fn admit(
+    secret: &JobToken,
+    presented: Option<&str>,
+    parsed: Result<JobRequest, Status>,
+) -> Result<JobRequest, (Refusal, Status)> {
+    // The token first: a caller without one learns nothing of what it sent.
+    let job = match &parsed {
+        Ok(r) => r.job.clone(),
+        Err(_) => JobName::default_job(),
+    };
+    if check(secret, presented, &job).is_none() {
+        let message = if job.is_default() {
+            "missing or wrong job token: start every process of the job with the same \
+             --token or PHALANX_TOKEN"
+                .to_string()
+        } else {
+            format!(
+                "missing or wrong token for job {job}: give every process of the job its \
+                 job's token (`phalanx token --job {job} --lighthouse-token-file FILE OUT`) \
+                 or the lighthouse's own, as --token or PHALANX_TOKEN"
+            )
+        };
+        return Err((Refusal::Token, Status::unauthenticated(message)));
+    }
+    parsed.map_err(|status| (Refusal::Invalid, status))
+}
+
+/// The token check of the lighthouse's gRPC service, by job (`admit`): an admitted
+/// request proves its connection (see `gate`), a refused one is counted.
 #[derive(Clone)]
 pub struct JobCheck(pub JobToken);
 
 impl Interceptor for JobCheck {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         let ticket = request.extensions().get::<Ticket>().cloned();
-        let refused = |reason: Refusal, status: Status| {
-            if let Some(ticket) = &ticket {
-                ticket.refusals().count(reason);
-            }
-            Err(status)
-        };
         let metadata = request.metadata();
         let text = |key: &str| -> Result<Option<&str>, Status> {
             metadata
@@ -80,34 +104,21 @@ impl Interceptor for JobCheck {
             .and_then(|job| Ok((job, text(RULES_KEY)?)))
             .and_then(|(job, rules)| JobRequest::parse(job, rules));
         let presented = metadata.get(AUTHORIZATION).and_then(|v| v.to_str().ok());
-        // The token first: a caller without one learns nothing of what it sent.
-        let job = match &parsed {
-            Ok(r) => r.job.clone(),
-            Err(_) => JobName::default_job(),
-        };
-        if check(&self.0, presented, &job).is_none() {
-            let message = if job.is_default() {
-                "missing or wrong job token: start every process of the job with the same \
-                 --token or PHALANX_TOKEN"
-                    .to_string()
-            } else {
-                format!(
-                    "missing or wrong token for job {job}: give every process of the job its \
-                     job's token (`phalanx token --job {job} --lighthouse-token-file FILE OUT`) \
-                     or the lighthouse's own, as --token or PHALANX_TOKEN"
-                )
-            };
-            return refused(Refusal::Token, Status::unauthenticated(message));
+        match admit(&self.0, presented, parsed) {
+            Ok(job) => {
+                if let Some(ticket) = &ticket {
+                    ticket.prove();
+                }
+                request.extensions_mut().insert(job);
+                Ok(request)
+            }
+            Err((reason, status)) => {
+                if let Some(ticket) = &ticket {
+                    ticket.refusals().count(reason);
+                }
+                Err(status)
+            }
         }
-        let parsed = match parsed {
-            Ok(parsed) => parsed,
-            Err(status) => return refused(Refusal::Invalid, status),
-        };
-        if let Some(ticket) = &ticket {
-            ticket.prove();
-        }
-        request.extensions_mut().insert(parsed);
-        Ok(request)
     }
 }
 

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
 use super::jobs::JobRequest;
+use super::wire::{self, BeatEvents, BeatTransport};
 use crate::auth::{AttachToken, JobToken};
 use crate::proto::{self, LEADER_KEY, PROTOCOL_VERSION};
 use crate::transport::{
@@ -52,6 +52,9 @@ pub struct Route {
 struct Link {
     endpoint: Endpoint,
     attach: AttachToken,
+    /// Where and how a framed heartbeat stream opens (see `super::wire`).
+    beat_address: String,
+    hello: proto::BeatOpen,
     /// The client of the connection in use, and the first epoch it serves in.
     client: Mutex<(u64, Client)>,
 }
@@ -69,9 +72,27 @@ impl Link {
             attach = attach.with(key, &value).map_err(Error::InvalidConfig)?;
         }
         let client = Link::connect(&endpoint, &attach);
+        let uri = endpoint.uri();
+        let beat_address = format!(
+            "{}:{}",
+            uri.host().unwrap_or_default(),
+            uri.port_u16().unwrap_or_default()
+        );
+        let rules = job.rules.to_string();
+        let hello = proto::BeatOpen {
+            token: token.header_value().unwrap_or_default(),
+            job: if job.job.is_default() {
+                String::new()
+            } else {
+                job.job.to_string()
+            },
+            job_rules: rules,
+        };
         Ok(Link {
             endpoint,
             attach,
+            beat_address,
+            hello,
             client: Mutex::new((0, client)),
         })
     }
@@ -112,6 +133,7 @@ pub struct LighthouseClient {
     /// The route asked now, shared by clones: a group's heartbeat and its quorum
     /// requests follow the same one.
     current: Arc<watch::Sender<Route>>,
+    beats_over: BeatTransport,
 }
 
 /// Whether a failed call says nothing serves there: not reachable, or refused as not
@@ -172,7 +194,14 @@ impl LighthouseClient {
             addresses: Arc::new(addresses),
             links: Arc::new(links),
             current: Arc::new(watch::channel(Route { index: 0, epoch: 0 }).0),
+            beats_over: BeatTransport::default(),
         })
+    }
+
+    /// This client's heartbeat streams go over `transport` (framed by default).
+    pub fn beats_over(mut self, transport: BeatTransport) -> Self {
+        self.beats_over = transport;
+        self
     }
 
     /// The lighthouse asked now.
@@ -389,13 +418,14 @@ impl LighthouseClient {
         .result
     }
 
-    /// Opens a heartbeat stream. Beats are sent from `beats`; events pushed by the
-    /// lighthouse come back on the returned stream.
+    /// Opens a heartbeat stream, framed on a connection of its own unless the client
+    /// beats over gRPC (see `super::wire`). Beats are sent from `beats`; events pushed
+    /// by the lighthouse come back on the returned stream.
     pub async fn heartbeat(
         &self,
         beats: mpsc::Receiver<proto::Beat>,
         timeout: Duration,
-    ) -> Result<tonic::Streaming<proto::LighthouseEvent>, Error> {
+    ) -> Result<BeatEvents, Error> {
         self.open_heartbeat(beats, timeout).await.1
     }
 
@@ -405,17 +435,32 @@ impl LighthouseClient {
         &self,
         beats: mpsc::Receiver<proto::Beat>,
         timeout: Duration,
-    ) -> (
-        Route,
-        Result<tonic::Streaming<proto::LighthouseEvent>, Error>,
-    ) {
-        let beats = ReceiverStream::new(beats);
-        let attempt = self
-            .on_route(timeout, |mut client| async move {
-                client.heartbeat(beats).await
-            })
-            .await;
-        (attempt.route, attempt.result)
+    ) -> (Route, Result<BeatEvents, Error>) {
+        if self.beats_over == BeatTransport::Grpc {
+            let beats = tokio_stream::wrappers::ReceiverStream::new(beats);
+            let attempt = self
+                .on_route(timeout, |mut client| async move {
+                    client.heartbeat(beats).await
+                })
+                .await;
+            return (attempt.route, attempt.result.map(BeatEvents::grpc));
+        }
+        let at = self.route();
+        let link = &self.links[at.index];
+        let connect = timeout.min(CONNECT_ATTEMPT);
+        let opening = wire::open(&link.beat_address, &link.hello, beats, connect);
+        let result = within(timeout, opening).await.unwrap_or_else(|| {
+            self.went_silent(at);
+            Err(Error::Rpc(Status::deadline_exceeded(format!(
+                "the lighthouse at {} took no heartbeat stream within {:.3} s",
+                self.addresses[at.index],
+                timeout.as_secs_f64()
+            ))))
+        });
+        if let Err(e) = &result {
+            self.move_on(at, e);
+        }
+        (at, result)
     }
 }
 #[cfg(test)]

@@ -17,8 +17,10 @@ mod snapshot;
 mod stall;
 pub mod state;
 mod tally;
+pub mod wire;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -31,7 +33,7 @@ use crate::fdlimit;
 use crate::gate::GateLimits;
 use crate::proto::lighthouse_server::LighthouseServer;
 use crate::proto::lighthouse_set_server::LighthouseSetServer;
-use crate::server::{self, ServerHandle};
+use crate::server::{self, FramedDoor, ServerHandle};
 use crate::Error;
 use access::JobCheck;
 pub use service::JobLimits;
@@ -227,7 +229,20 @@ pub async fn serve_in_set(
         tracing::warn!("{warning}");
     }
     let door = Door::new(options.connections, site.metrics.refusals.clone());
-    let mut handle = server::spawn(listener, Vec::new(), routes.into(), shutdown, door);
+    let framed: FramedDoor = {
+        let (site, token) = (site.clone(), options.token.clone());
+        Arc::new(move |conn| {
+            tokio::spawn(wire::serve(conn, site.clone(), token.clone()));
+        })
+    };
+    let mut handle = server::spawn(
+        listener,
+        Vec::new(),
+        routes.into(),
+        shutdown,
+        door,
+        Some(framed),
+    );
     if let Some(seat) = seat {
         let serving = site.clone();
         handle.add_task(tokio::spawn(

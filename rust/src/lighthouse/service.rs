@@ -25,6 +25,7 @@ use super::metrics::{Metrics, SiteMetrics, Via};
 use super::pulse::Pulse;
 use super::set::Seat;
 use super::state::LighthouseState;
+use super::wire;
 use super::Tuning;
 use crate::delta::Answer;
 use crate::door::Ticket;
@@ -565,11 +566,87 @@ impl Joined {
     }
 }
 
+/// Where a heartbeat stream's beats come from: a gRPC request stream, or frames on a
+/// plain connection (`super::wire`).
+pub(crate) enum Inbound {
+    Grpc(Streaming<proto::Beat>),
+    Framed(wire::BeatReader),
+}
+
+impl Inbound {
+    async fn message(&mut self) -> Result<Option<proto::Beat>, Status> {
+        match self {
+            Inbound::Grpc(beats) => beats.message().await,
+            Inbound::Framed(beats) => beats.message().await,
+        }
+    }
+}
+
+/// What the lighthouse sends on a heartbeat stream; it ends when the group is let go.
+pub(crate) type Events = mpsc::Receiver<Result<proto::LighthouseEvent, Status>>;
+
+impl Site {
+    /// Opens job `job`'s heartbeat stream of a group at `peer`: its first beat names
+    /// the group and opens the stream in the state (see `first_beat`); a task of its
+    /// own takes the beats that follow (see `BeatTask`).
+    pub(crate) async fn open_heartbeat(
+        &self,
+        job: JobRequest,
+        peer: String,
+        mut inbound: Inbound,
+    ) -> Result<Events, Status> {
+        let refusals = &self.metrics.refusals;
+        let first = first_beat(refusals, &mut inbound, self.defaults.heartbeat_timeout).await?;
+        let shared = self.job(&job)?;
+        let heartbeat_timeout = shared.rules.heartbeat_timeout;
+
+        let (events_tx, events_rx) = mpsc::channel(16);
+        // Weak: the state holds the stream's one strong sender, so that evicting the
+        // group ends its response stream at once, beats or no beats.
+        let mut acks = Acks {
+            events: events_tx.downgrade(),
+            lease_ms: heartbeat_timeout.as_millis() as u64,
+            last: None,
+        };
+        let (stream_id, pulse) = {
+            let mut st = shared.lock();
+            let now = Instant::now();
+            shared.admit(now)?;
+            let opened = refuse(
+                &shared.refusals,
+                Refusal::DuplicateReplica,
+                st.open_stream(&first, peer, events_tx, now),
+            )?;
+            shared.opened(&mut st, &first.replica_id, now);
+            opened
+        };
+        shared.metrics.heartbeats.inc();
+        acks.send(first.seq, pulse.lease_quorum(), Instant::now());
+        pulse.trained(Instant::now(), &first);
+        shared.report(&first.replica_id, &first);
+        let replica_id = first.replica_id.clone();
+        let asking = first.ask.map(|ask| {
+            shared.answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
+        });
+        let task = BeatTask {
+            shared: shared.clone(),
+            inbound,
+            pulse,
+            replica_id,
+            stream_id,
+            acks,
+            _asking: asking,
+        };
+        tokio::spawn(task.run());
+        Ok(events_rx)
+    }
+}
+
 /// A heartbeat stream's first beat, within the heartbeat timeout and valid: it names
 /// the group, so nothing is opened for a stream that sends none.
 async fn first_beat(
     refusals: &Refusals,
-    inbound: &mut Streaming<proto::Beat>,
+    inbound: &mut Inbound,
     heartbeat_timeout: Duration,
 ) -> Result<proto::Beat, Status> {
     let first = match tokio::time::timeout(heartbeat_timeout, inbound.message()).await {
@@ -641,7 +718,7 @@ impl Acks {
 /// A heartbeat stream after its first beat.
 struct BeatTask {
     shared: Arc<Shared>,
-    inbound: Streaming<proto::Beat>,
+    inbound: Inbound,
     pulse: Arc<Pulse>,
     replica_id: String,
     stream_id: u64,
@@ -769,9 +846,6 @@ impl Lighthouse for LighthouseService {
 
     type HeartbeatStream = EventStream;
 
-    /// A group's heartbeat stream: its first beat names the group and opens the stream
-    /// in the state (see `first_beat`); a task of its own takes the beats that follow
-    /// (see `BeatTask`).
     async fn heartbeat(
         &self,
         request: Request<Streaming<proto::Beat>>,
@@ -781,52 +855,9 @@ impl Lighthouse for LighthouseService {
             .get::<Ticket>()
             .map_or_else(|| "unknown".to_string(), |t| t.peer().to_string());
         let job = job_of(&request);
-        let mut inbound = request.into_inner();
-        let refusals = &self.site.metrics.refusals;
-        let first =
-            first_beat(refusals, &mut inbound, self.site.defaults.heartbeat_timeout).await?;
-        let shared = self.site.job(&job)?;
-        let heartbeat_timeout = shared.rules.heartbeat_timeout;
-
-        let (events_tx, events_rx) = mpsc::channel(16);
-        // Weak: the state holds the stream's one strong sender, so that evicting the
-        // group ends its response stream at once, beats or no beats.
-        let mut acks = Acks {
-            events: events_tx.downgrade(),
-            lease_ms: heartbeat_timeout.as_millis() as u64,
-            last: None,
-        };
-        let (stream_id, pulse) = {
-            let mut st = shared.lock();
-            let now = Instant::now();
-            shared.admit(now)?;
-            let opened = refuse(
-                &shared.refusals,
-                Refusal::DuplicateReplica,
-                st.open_stream(&first, peer, events_tx, now),
-            )?;
-            shared.opened(&mut st, &first.replica_id, now);
-            opened
-        };
-        shared.metrics.heartbeats.inc();
-        acks.send(first.seq, pulse.lease_quorum(), Instant::now());
-        pulse.trained(Instant::now(), &first);
-        shared.report(&first.replica_id, &first);
-        let replica_id = first.replica_id.clone();
-        let asking = first.ask.map(|ask| {
-            shared.answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
-        });
-        let task = BeatTask {
-            shared: shared.clone(),
-            inbound,
-            pulse,
-            replica_id,
-            stream_id,
-            acks,
-            _asking: asking,
-        };
-        tokio::spawn(task.run());
-        Ok(Response::new(Box::pin(ReceiverStream::new(events_rx))))
+        let inbound = Inbound::Grpc(request.into_inner());
+        let events = self.site.open_heartbeat(job, peer, inbound).await?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(events))))
     }
 
     async fn status(

@@ -1,5 +1,6 @@
 //! A group's heartbeat: one stream to the lighthouse for as long as the manager server
-//! runs, re-opened after a lighthouse restart. Beats carry the group's progress (and
+//! runs (framed, on a connection of its own: `lighthouse::wire`), re-opened after a
+//! lighthouse restart. Beats carry the group's progress (and
 //! its refusal counts when they change), and its quorum requests; the lighthouse
 //! answers with leases, quorums and the membership losses the group must act on.
 //!
@@ -17,12 +18,13 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio_util::task::AbortOnDropHandle;
-use tonic::{Code, Status, Streaming};
+use tonic::{Code, Status};
 
 use super::progress::Board;
 use crate::delta::Answer;
 use crate::gate::{self, GroupRefusals, RefusalCounts};
 use crate::lighthouse::client::{LighthouseClient, Route};
+use crate::lighthouse::wire::BeatEvents;
 use crate::proto::{self, lighthouse_event::Event, PROTOCOL_VERSION};
 use crate::transport::timeout_ms;
 
@@ -103,7 +105,7 @@ impl InFlight {
 }
 
 /// Quorum requests that ride on the open heartbeat stream (see `proto::QuorumAsk`): a
-/// DATA frame each way on a stream already open, where a call of its own costs a new
+/// frame each way on a stream already open, where a call of its own costs a new
 /// HTTP/2 stream, its headers and trailers. One ask waits at a time.
 #[derive(Default)]
 pub struct Asks(Mutex<AsksInner>);
@@ -469,7 +471,7 @@ impl Heartbeat {
     /// because the group was evicted as stalled, and how it ended.
     async fn follow(
         &self,
-        mut stream: Streaming<proto::LighthouseEvent>,
+        mut stream: BeatEvents,
         in_flight: &InFlight,
         at: Route,
     ) -> (bool, &'static str) {
@@ -503,6 +505,8 @@ impl Heartbeat {
                         let _ = self.events.send(lost);
                     }
                     Event::Answer(answer) => self.asks.answered(answer),
+                    // `BeatEvents` reads a stream's end itself.
+                    Event::End(_) => {}
                     Event::Lease(granted) => {
                         if let Some(sent_at) = in_flight.acknowledged(granted.seq) {
                             self.lease.send_replace(Some(Lease {
@@ -647,7 +651,7 @@ mod tests {
     /// renewed the same lease moments ago) until one is acknowledged; returns the
     /// quorum its lease names.
     async fn acknowledged(
-        events: &mut Streaming<proto::LighthouseEvent>,
+        events: &mut BeatEvents,
         beats: &mpsc::Sender<proto::Beat>,
         seq: &mut u64,
     ) -> u64 {
@@ -682,7 +686,7 @@ mod tests {
     async fn open(
         client: &LighthouseClient,
         replica_id: &str,
-    ) -> (mpsc::Sender<proto::Beat>, Streaming<proto::LighthouseEvent>) {
+    ) -> (mpsc::Sender<proto::Beat>, BeatEvents) {
         let opened = async {
             loop {
                 let (beats, rx) = mpsc::channel(4);

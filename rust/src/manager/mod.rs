@@ -617,7 +617,7 @@ pub async fn serve(options: ManagerOptions) -> Result<ManagerHandle, Error> {
     };
     let routes = routes(service.clone());
     let door = Door::new(options.connections, refusals.own.clone());
-    let mut handle = server::spawn(listener, more, routes, shutdown, door);
+    let mut handle = server::spawn(listener, more, routes, shutdown, door, None);
     let heartbeat = Heartbeat {
         client: lighthouse,
         replica_id: options.replica_id.clone(),

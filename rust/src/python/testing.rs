@@ -11,13 +11,14 @@ use super::runtime::wait;
 use super::state::StateServer;
 use super::{job_request, seconds, unsigned};
 use crate::auth::JobToken;
+use crate::lighthouse::wire::BeatTransport;
 use crate::state::{baseline, Corruption};
 
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
 /// (seconds from the last request to the last answer, membership changed, quorum id)
 /// for each round.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None, job = None))]
+#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None, job = None, transport = "framed"))]
 #[allow(clippy::too_many_arguments)]
 fn bench_quorum_rounds(
     py: Python<'_>,
@@ -28,8 +29,10 @@ fn bench_quorum_rounds(
     timeout: f64,
     token: Option<String>,
     job: Option<String>,
+    transport: &str,
 ) -> PyResult<Vec<(f64, bool, u64)>> {
     let timeout = seconds("timeout", timeout)?;
+    let transport = beat_transport(transport)?;
     let token = JobToken::new(token);
     let job = job_request(job.as_deref(), None)?;
     let timings = wait(py, async move {
@@ -37,6 +40,7 @@ fn bench_quorum_rounds(
             &address,
             &token,
             &job,
+            transport,
             replicas,
             rounds,
             change_every,
@@ -53,7 +57,7 @@ fn bench_quorum_rounds(
 /// Benchmark load: `replicas` groups in a quorum; in each of `trials` one more joins
 /// it and crashes. Returns the seconds until every other group was told, per trial.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, trials, timeout = 30.0, token = None))]
+#[pyo3(signature = (address, replicas, trials, timeout = 30.0, token = None, transport = "framed"))]
 fn bench_crash_told(
     py: Python<'_>,
     address: String,
@@ -61,19 +65,23 @@ fn bench_crash_told(
     trials: usize,
     timeout: f64,
     token: Option<String>,
+    transport: &str,
 ) -> PyResult<Vec<f64>> {
     let timeout = seconds("timeout", timeout)?;
     let token = JobToken::new(token);
+    let transport = beat_transport(transport)?;
     let told = wait(py, async move {
-        crate::loadgen::crash_told(&address, &token, replicas, trials, timeout).await
+        crate::loadgen::crash_told(&address, &token, transport, replicas, trials, timeout).await
     })?;
     Ok(told.iter().map(Duration::as_secs_f64).collect())
 }
 
-/// Benchmark load: `replicas` heartbeat streams at `hz` over `connections`
-/// connections for `duration` seconds. Returns the beats sent.
+/// Benchmark load: `replicas` heartbeat streams at `hz` over `transport` ("framed":
+/// a connection each; "grpc": `connections` connections) for `duration` seconds.
+/// Returns the beats sent.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, hz, duration, connections = 64, token = None))]
+#[pyo3(signature = (address, replicas, hz, duration, connections = 64, token = None, transport = "framed"))]
+#[allow(clippy::too_many_arguments)]
 fn bench_heartbeats(
     py: Python<'_>,
     address: String,
@@ -82,12 +90,28 @@ fn bench_heartbeats(
     duration: f64,
     connections: usize,
     token: Option<String>,
+    transport: &str,
 ) -> PyResult<u64> {
     let duration = seconds("duration", duration)?;
     let token = JobToken::new(token);
+    let transport = beat_transport(transport)?;
     wait(py, async move {
-        crate::loadgen::heartbeats(&address, &token, replicas, hz, connections, duration).await
+        crate::loadgen::heartbeats(
+            &address,
+            &token,
+            transport,
+            replicas,
+            hz,
+            connections,
+            duration,
+        )
+        .await
     })
+}
+
+fn beat_transport(name: &str) -> PyResult<BeatTransport> {
+    name.parse()
+        .map_err(|e: String| pyo3::exceptions::PyValueError::new_err(e))
 }
 
 /// Benchmark load: `rate` requests a second of job `job` (status calls and garbage

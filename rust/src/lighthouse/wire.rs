@@ -1,0 +1,359 @@
+//! A heartbeat stream over a plain TCP connection (`crate::frames`, `proto::BeatOpen`),
+//! both ends: the lighthouse's, for a connection its door let in that opened with the
+//! frames' preface, and the group's ([`open`]). The stream means what a gRPC
+//! `Lighthouse.Heartbeat` means, event for event; only the bytes around the messages
+//! differ (see `frames` for why).
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use prost::Message;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_util::task::AbortOnDropHandle;
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Status};
+
+use super::access;
+use super::jobs::JobRequest;
+use super::service::{Events, Inbound, Site};
+use crate::auth::JobToken;
+use crate::door::Guarded;
+use crate::frames::{self, FrameError, Frames, PREFACE};
+use crate::gate::Refusal;
+use crate::proto::{self, lighthouse_event::Event, LEADER_KEY};
+use crate::transport::MAX_RESPONSE_BYTES;
+use crate::Error;
+
+/// Reads are at least this large: a read takes every beat that arrived meanwhile.
+const READ_AHEAD: usize = 8 * 1024;
+
+/// Messages in frames from one end of a connection.
+struct FrameReader<R> {
+    io: R,
+    read: BytesMut,
+    frames: Frames,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    fn new(io: R, max: usize) -> Self {
+        FrameReader {
+            io,
+            read: BytesMut::with_capacity(READ_AHEAD),
+            frames: Frames { max },
+        }
+    }
+
+    /// Reads more; false at the end of the connection.
+    async fn fill(&mut self) -> Result<bool, Status> {
+        if self.read.capacity() - self.read.len() < READ_AHEAD / 2 {
+            self.read.reserve(READ_AHEAD);
+        }
+        match self.io.read_buf(&mut self.read).await {
+            Ok(n) => Ok(n > 0),
+            Err(e) => Err(lost(&e)),
+        }
+    }
+
+    async fn preface(&mut self) -> Result<(), Status> {
+        while !Frames::preface(&mut self.read).map_err(refused)? {
+            if !self.fill().await? {
+                return Err(Status::invalid_argument(
+                    "the connection closed in its preface",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The next message; None at the end of the connection between frames.
+    async fn message<M: Message + Default>(&mut self) -> Result<Option<M>, Status> {
+        loop {
+            if let Some(bytes) = self.frames.next(&mut self.read).map_err(refused)? {
+                return M::decode(bytes)
+                    .map(Some)
+                    .map_err(|e| Status::invalid_argument(format!("a malformed frame: {e}")));
+            }
+            if !self.fill().await? {
+                if self.read.is_empty() {
+                    return Ok(None);
+                }
+                return Err(Status::unavailable("the connection closed inside a frame"));
+            }
+        }
+    }
+}
+
+fn refused(e: FrameError) -> Status {
+    Status::invalid_argument(e.to_string())
+}
+
+fn lost(e: &io::Error) -> Status {
+    Status::unavailable(format!("the heartbeat connection broke: {e}"))
+}
+
+/// The beats of a framed stream, as the lighthouse reads them.
+pub(crate) struct BeatReader(FrameReader<ReadHalf<Guarded>>);
+
+impl BeatReader {
+    pub(crate) async fn message(&mut self) -> Result<Option<proto::Beat>, Status> {
+        self.0.message().await
+    }
+}
+
+/// Serves one framed heartbeat stream on `conn`, a connection of the lighthouse's
+/// door that opened with the preface. Its `BeatOpen` passes the token check as a
+/// gRPC call's metadata would (and proves the connection); then it is a heartbeat
+/// stream like any other (`Site::open_heartbeat`), its events written in frames,
+/// every event waiting at once in one write. The door's limits still hold: an
+/// unproven connection is closed after its few seconds, a silent one after its idle
+/// time.
+pub(crate) async fn serve(conn: Guarded, site: Arc<Site>, secret: JobToken) {
+    let ticket = conn.ticket().clone();
+    let (read, mut write) = tokio::io::split(conn);
+    let mut reader = FrameReader::new(read, super::MAX_REQUEST_BYTES);
+    let opened = async {
+        let hello = async {
+            reader.preface().await?;
+            reader.message::<proto::BeatOpen>().await?.ok_or_else(|| {
+                Status::invalid_argument("a heartbeat connection closed before its BeatOpen")
+            })
+        };
+        let hello = hello
+            .await
+            .inspect_err(|_| ticket.refusals().count(Refusal::Invalid))?;
+        let given = |s: &str| Some(s).filter(|s| !s.is_empty()).map(str::to_string);
+        let (job, rules) = (given(&hello.job), given(&hello.job_rules));
+        let job = access::admit(
+            &secret,
+            given(&hello.token).as_deref(),
+            JobRequest::parse(job.as_deref(), rules.as_deref()),
+        )
+        .map_err(|(reason, status)| {
+            ticket.refusals().count(reason);
+            status
+        })?;
+        ticket.prove();
+        let beats = Inbound::Framed(BeatReader(reader));
+        site.open_heartbeat(job, ticket.peer().to_string(), beats)
+            .await
+    };
+    let end = match opened.await {
+        Ok(events) => match send_events(events, &mut write).await {
+            Ok(end) => end,
+            Err(_) => return,
+        },
+        Err(status) => status,
+    };
+    let mut out = BytesMut::new();
+    frames::encode(&end_of(&end), &mut out);
+    let _ = write.write_all(&out).await;
+    let _ = write.shutdown().await;
+}
+
+/// Writes `events` until they end: with Ok the lighthouse let the group go, and the
+/// stream ends in order; the first error ends it with that error. Err: the
+/// connection broke.
+async fn send_events(mut events: Events, write: &mut WriteHalf<Guarded>) -> io::Result<Status> {
+    let mut out = BytesMut::new();
+    while let Some(event) = events.recv().await {
+        let mut next = Some(event);
+        while let Some(event) = next {
+            match event {
+                Ok(event) => frames::encode(&event, &mut out),
+                Err(status) => {
+                    write.write_all(&out).await?;
+                    return Ok(status);
+                }
+            }
+            next = events.try_recv().ok();
+        }
+        write.write_all(&out).await?;
+        out.clear();
+    }
+    Ok(Status::ok(""))
+}
+
+/// The last frame of a stream that ended with `status`.
+fn end_of(status: &Status) -> proto::LighthouseEvent {
+    let leader = status
+        .metadata()
+        .get(LEADER_KEY)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    proto::LighthouseEvent {
+        event: Some(Event::End(proto::StreamEnd {
+            code: status.code() as i32,
+            message: status.message().to_string(),
+            leader: leader.to_string(),
+        })),
+    }
+}
+
+/// What a `StreamEnd` says: None, the stream ended in order; else the error, as the
+/// status of a gRPC call that ended so (the serving lighthouse in `LEADER_KEY`).
+fn ended(end: proto::StreamEnd) -> Option<Status> {
+    if end.code == 0 {
+        return None;
+    }
+    let mut status = Status::new(Code::from(end.code), end.message);
+    if let Ok(leader) = MetadataValue::try_from(end.leader.as_str()) {
+        if !end.leader.is_empty() {
+            status.metadata_mut().insert(LEADER_KEY, leader);
+        }
+    }
+    Some(status)
+}
+
+/// How a group's heartbeat stream reaches the lighthouse: in frames on a connection
+/// of its own (the default: a beat costs the lighthouse a read and a decode), or as a
+/// gRPC stream (`Lighthouse.Heartbeat`, HTTP/2: what a proxy that passes only gRPC
+/// lets through, and the yardstick of `benches/heartbeat_capacity.py`).
+///
+/// ```
+/// use phalanx::lighthouse::wire::BeatTransport;
+/// assert_eq!("grpc".parse::<BeatTransport>(), Ok(BeatTransport::Grpc));
+/// assert!("udp".parse::<BeatTransport>().unwrap_err().contains("framed"));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BeatTransport {
+    #[default]
+    Framed,
+    Grpc,
+}
+
+impl std::str::FromStr for BeatTransport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "framed" => Ok(BeatTransport::Framed),
+            "grpc" => Ok(BeatTransport::Grpc),
+            _ => Err(format!(
+                "{s:?} is no heartbeat transport: give \"framed\" or \"grpc\""
+            )),
+        }
+    }
+}
+
+/// A group's heartbeat stream: what the lighthouse sends on it, in order. Dropping it
+/// ends the stream (the lighthouse then declares the group dead).
+pub struct BeatEvents(Stream);
+
+enum Stream {
+    Framed {
+        reader: FrameReader<OwnedReadHalf>,
+        /// The first event, read while opening.
+        first: Option<proto::LighthouseEvent>,
+        _beats: AbortOnDropHandle<()>,
+    },
+    Grpc(tonic::Streaming<proto::LighthouseEvent>),
+}
+
+impl std::fmt::Debug for BeatEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BeatEvents")
+    }
+}
+
+impl BeatEvents {
+    pub(crate) fn grpc(events: tonic::Streaming<proto::LighthouseEvent>) -> Self {
+        BeatEvents(Stream::Grpc(events))
+    }
+
+    /// The next event; None once the lighthouse ended the stream in order.
+    pub async fn message(&mut self) -> Result<Option<proto::LighthouseEvent>, Status> {
+        let (reader, first) = match &mut self.0 {
+            Stream::Grpc(events) => return events.message().await,
+            Stream::Framed { reader, first, .. } => (reader, first),
+        };
+        if let Some(first) = first.take() {
+            return Ok(Some(first));
+        }
+        match reader.message::<proto::LighthouseEvent>().await? {
+            Some(proto::LighthouseEvent {
+                event: Some(Event::End(end)),
+            }) => ended(end).map_or(Ok(None), Err),
+            Some(event) => Ok(Some(event)),
+            None => Err(Status::unavailable(
+                "the lighthouse closed the heartbeat connection",
+            )),
+        }
+    }
+}
+
+/// Opens a framed heartbeat stream to the lighthouse at `address` ("host:port"),
+/// saying `hello`; its beats are sent from `beats` (the first, which names the group,
+/// queued already). Returns once the lighthouse took the stream (its first event, the
+/// first beat's lease, came) or refused it (the error it gave, as a gRPC call's).
+pub(crate) async fn open(
+    address: &str,
+    hello: &proto::BeatOpen,
+    beats: mpsc::Receiver<proto::Beat>,
+    connect_timeout: Duration,
+) -> Result<BeatEvents, Error> {
+    let unreachable = |detail: String| Error::Connect {
+        what: "lighthouse",
+        address: address.to_string(),
+        detail,
+    };
+    let stream = match tokio::time::timeout(connect_timeout, TcpStream::connect(address)).await {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => return Err(unreachable(e.to_string())),
+        Err(_) => {
+            return Err(unreachable(format!(
+                "no connection within {connect_timeout:?}"
+            )))
+        }
+    };
+    // Beats and leases are small and must not wait for a delayed ACK.
+    let _ = stream.set_nodelay(true);
+    let (read, mut write) = stream.into_split();
+    let mut out = BytesMut::from(&PREFACE[..]);
+    frames::encode(hello, &mut out);
+    write
+        .write_all(&out)
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    let reader = FrameReader::new(read, MAX_RESPONSE_BYTES);
+    let sending = AbortOnDropHandle::new(tokio::spawn(send_beats(beats, write)));
+    let mut events = BeatEvents(Stream::Framed {
+        reader,
+        first: None,
+        _beats: sending,
+    });
+    match events.message().await {
+        Ok(Some(event)) => {
+            if let Stream::Framed { first, .. } = &mut events.0 {
+                *first = Some(event);
+            }
+            Ok(events)
+        }
+        Ok(None) => Err(Error::Rpc(Status::unavailable(
+            "the lighthouse ended the heartbeat stream as it opened",
+        ))),
+        Err(status) => Err(Error::Rpc(status)),
+    }
+}
+
+/// Sends `beats` in frames, every beat waiting at once in one write, until they end:
+/// then the connection's sending side closes, which the lighthouse reads as the end
+/// of the stream.
+async fn send_beats(mut beats: mpsc::Receiver<proto::Beat>, mut write: OwnedWriteHalf) {
+    let mut out = BytesMut::new();
+    while let Some(beat) = beats.recv().await {
+        frames::encode(&beat, &mut out);
+        while let Ok(beat) = beats.try_recv() {
+            frames::encode(&beat, &mut out);
+        }
+        if write.write_all(&out).await.is_err() {
+            return;
+        }
+        out.clear();
+    }
+    let _ = write.shutdown().await;
+}
