@@ -43,7 +43,7 @@ def rounds_for(groups: int) -> int:
     return max(30, min(300, 30_000 // groups))
 
 
-def measure(groups: int, trials: int) -> dict[str, float]:
+def measure(groups: int, trials: int, transport: str) -> dict[str, float]:
     # Every group in every quorum from the first round on. The driven groups beat only
     # when they ask, and 10,000 take a while to connect: a long heartbeat timeout keeps
     # the first ones live meanwhile (a crash is told when its stream drops, not by it).
@@ -56,7 +56,7 @@ def measure(groups: int, trials: int) -> dict[str, float]:
     with lighthouse_process(*flags, "--max-groups", str(groups + 64)) as (address, pid):
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
         timings = _testing.bench_quorum_rounds(
-            address, groups, rounds_for(groups), change_every=5, timeout=120.0
+            address, groups, rounds_for(groups), change_every=5, timeout=120.0, transport=transport
         )
         cpu_per_s = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         rss = rss_mib(pid)
@@ -64,7 +64,9 @@ def measure(groups: int, trials: int) -> dict[str, float]:
     flags = cli_flags(join_timeout="1s", min_replicas=groups + 1, **silent)
     with lighthouse_process(*flags, "--max-groups", str(groups + 64)) as (address, _):
         try:
-            told = _testing.bench_crash_told(address, groups, trials, timeout=120.0)
+            told = _testing.bench_crash_told(
+                address, groups, trials, timeout=120.0, transport=transport
+            )
             failed = None
         except (ConnectionError, TimeoutError, ValueError) as e:
             # Said in the report, with the rounds measured: the curve goes on.
@@ -90,12 +92,18 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,64,512,4096,10000")
     parser.add_argument("--trials", type=int, default=3, help="crashes per size")
     parser.add_argument("--quick", action="store_true", help="8 and 16 groups: a smoke run")
+    parser.add_argument(
+        "--transport",
+        choices=["framed", "grpc"],
+        default="framed",
+        help="the groups' heartbeat streams (gRPC: HTTP/2, the older transport)",
+    )
     args = parser.parse_args()
     sizes = [8, 16] if args.quick else [int(n) for n in args.sizes.split(",")]
     if not sizes or min(sizes) < 1:
         parser.error(f"--sizes {args.sizes!r}: give group counts, e.g. 8,64,512")
 
-    rows = [measure(n, args.trials) for n in sizes]
+    rows = [measure(n, args.trials, args.transport) for n in sizes]
     base = rows[0]
 
     def ratio(row: dict[str, float], key: str) -> float:
@@ -105,7 +113,8 @@ def main() -> None:
         row["crash_told_ratio"] = ratio(row, "crash_told_ms")
         row["change_ratio"] = ratio(row, "change_p50_ms")
     report(
-        f"scale curve: {', '.join(map(str, sizes))} groups, ratios to {base['groups']}",
+        f"scale curve ({args.transport}): {', '.join(map(str, sizes))} groups, "
+        f"ratios to {base['groups']}",
         [
             (
                 f"{row['groups']} groups",
@@ -116,7 +125,7 @@ def main() -> None:
             )
             for row in rows
         ],
-        {"bench": "scale_curve", "sizes": rows},
+        {"bench": "scale_curve", "transport": args.transport, "sizes": rows},
     )
 
 
