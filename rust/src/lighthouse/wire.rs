@@ -173,7 +173,7 @@ async fn send_events(mut events: Events, write: &mut WriteHalf<Guarded>) -> io::
             next = events.try_recv().ok();
         }
         write.write_all(&out).await?;
-        out.clear();
+        keep_small(&mut out);
     }
     Ok(Status::ok(""))
 }
@@ -353,7 +353,18 @@ async fn send_beats(mut beats: mpsc::Receiver<proto::Beat>, mut write: OwnedWrit
         if write.write_all(&out).await.is_err() {
             return;
         }
-        out.clear();
+        keep_small(&mut out);
     }
     let _ = write.shutdown().await;
+}
+
+/// Empties a buffer that was written out, and gives back its memory if a large
+/// message (a whole quorum of thousands) grew it: 10,000 streams would otherwise each
+/// hold a copy of the largest quorum they were sent for as long as they live.
+fn keep_small(out: &mut BytesMut) {
+    if out.capacity() > READ_AHEAD {
+        *out = BytesMut::new();
+    } else {
+        out.clear();
+    }
 }
