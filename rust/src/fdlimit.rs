@@ -74,7 +74,7 @@ pub fn ensure(connections: usize, what: &str) -> Option<String> {
     }
     let fit = now.saturating_sub(BESIDES_CONNECTIONS);
     Some(format!(
-        "this process may open {now} files (hard limit {hard}), but {what} needs {needed}: \
+        "this process may open {now} files (hard limit {hard}), but {what} need {needed}: \
          it accepts about {fit} connections, one per group. Raise the hard limit (ulimit \
          -Hn {needed} as root, LimitNOFILE={needed} in a systemd unit, docker run --ulimit \
          nofile={needed}) or lower the number"
