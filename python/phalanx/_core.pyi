@@ -295,7 +295,8 @@ class LighthouseServer:
         for.
 
         `max_groups` (1 to 1,000,000; default 10,000): how many replica groups it is
-        ready to serve. It admits a connection for each and a quarter more, and raises
+        ready to serve. It admits two connections for each (its heartbeat stream's and
+        one for its calls) and a quarter more, and raises
         the process's file-descriptor limit to match (a warning says what it can serve
         where the hard limit does not allow it)."""
     @property

@@ -86,8 +86,9 @@ pub struct LighthouseFlags {
     /// evicted) is not waited for.
     #[arg(long, env = "PHALANX_ROLLBACK_AFTER", default_value = ROLLBACK_AFTER.as_str(), value_parser = parse_duration)]
     pub rollback_after: Duration,
-    /// How many replica groups it is ready to serve: it admits a connection for each,
-    /// and a quarter more (groups reconnecting, scrapes, operators), and raises its own
+    /// How many replica groups it is ready to serve: it admits two connections for each
+    /// (its heartbeat stream's, one for its calls) and a quarter more (groups
+    /// reconnecting, scrapes, operators), and raises its own
     /// file-descriptor limit to match, or says what it can serve when it may not.
     #[arg(long, env = "PHALANX_MAX_GROUPS", default_value_t = Tuning::DEFAULT.max_groups, value_parser = clap::value_parser!(u32).range(1..=1_000_000).map(|n| n as usize))]
     pub max_groups: usize,
@@ -547,7 +548,7 @@ mod tests {
             options(&["--max-groups", "20000"])
                 .connections
                 .max_connections,
-            20_000 + 5_000 + 256
+            2 * 20_000 + 5_000 + 256
         );
         if std::env::var_os("PHALANX_MAX_GROUPS").is_none() {
             let admitted = options(&[]).connections.max_connections;
