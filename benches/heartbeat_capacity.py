@@ -129,8 +129,15 @@ def main() -> None:
     )
     parser.add_argument("--runs", type=int, default=1, help="runs of both transports, interleaved")
     parser.add_argument("--transports", default="framed,grpc")
+    parser.add_argument(
+        "--quick", action="store_true", help="200 groups for a few seconds: a smoke run"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.replicas, args.seconds, args.rounds, args.beats_window = 200, 8.0, 30, 1.0
     transports = args.transports.split(",")
+    if not transports or not set(transports) <= {"framed", "grpc"}:
+        parser.error(f"--transports {args.transports!r}: give framed, grpc or framed,grpc")
 
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     failed: dict[str, str] = {}

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
-use super::jobs::JobRequest;
+use super::jobs::{JobRequest, JOB_KEY, RULES_KEY};
 use super::wire::{self, BeatEvents, BeatTransport};
 use crate::auth::{AttachToken, JobToken};
 use crate::proto::{self, LEADER_KEY, PROTOCOL_VERSION};
@@ -67,9 +67,19 @@ impl Link {
         connect_timeout: Duration,
     ) -> Result<Self, Error> {
         let endpoint = endpoint(address, connect_timeout.min(CONNECT_ATTEMPT))?;
+        // A call's metadata and a framed stream's opening say the same.
         let mut attach = AttachToken::new(token).map_err(Error::InvalidConfig)?;
+        let mut hello = proto::BeatOpen {
+            token: token.header_value().unwrap_or_default(),
+            ..Default::default()
+        };
         for (key, value) in job.metadata() {
             attach = attach.with(key, &value).map_err(Error::InvalidConfig)?;
+            match key {
+                JOB_KEY => hello.job = value,
+                RULES_KEY => hello.job_rules = value,
+                _ => {}
+            }
         }
         let client = Link::connect(&endpoint, &attach);
         let uri = endpoint.uri();
@@ -78,16 +88,6 @@ impl Link {
             uri.host().unwrap_or_default(),
             uri.port_u16().unwrap_or_default()
         );
-        let rules = job.rules.to_string();
-        let hello = proto::BeatOpen {
-            token: token.header_value().unwrap_or_default(),
-            job: if job.job.is_default() {
-                String::new()
-            } else {
-                job.job.to_string()
-            },
-            job_rules: rules,
-        };
         Ok(Link {
             endpoint,
             attach,

@@ -201,10 +201,11 @@ fn ended(end: proto::StreamEnd) -> Option<Status> {
         return None;
     }
     let mut status = Status::new(Code::from(end.code), end.message);
-    if let Ok(leader) = MetadataValue::try_from(end.leader.as_str()) {
-        if !end.leader.is_empty() {
+    match MetadataValue::try_from(end.leader.as_str()) {
+        Ok(leader) if !end.leader.is_empty() => {
             status.metadata_mut().insert(LEADER_KEY, leader);
         }
+        _ => {}
     }
     Some(status)
 }
