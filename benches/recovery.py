@@ -369,17 +369,15 @@ def drive_links(args: argparse.Namespace) -> None:
     nbytes = by_count[1][0]["bytes"]
     gbps = {k: nbytes / min(r["seconds"] for r in runs) / 1e9 for k, runs in by_count.items()}
     speedup = gbps[args.sources] / gbps[1]
-    links_gbps = args.sources * args.link_mbit / 8e3
+    of_links = gbps[args.sources] / (args.sources * args.link_mbit / 8e3)
+    ceiling = tcp_ceiling()
     rows = [
         ("state", f"{nbytes / 2**20:.0f} MiB"),
         ("link cap per source (Mbit/s)", args.link_mbit),
         *[(f"{k} source(s) GB/s", v) for k, v in gbps.items()],
         (f"speedup of {args.sources} sources", speedup),
-        (f"ratio to {args.sources} links", gbps[args.sources] / links_gbps),
-        (
-            f"ratio to what TCP carries over them ({tcp_ceiling():.3f} of a link)",
-            gbps[args.sources] / (links_gbps * tcp_ceiling()),
-        ),
+        (f"ratio to {args.sources} links", of_links),
+        (f"ratio to what TCP carries over them ({ceiling:.3f} of a link)", of_links / ceiling),
     ]
     report(
         "recovery: K sources over capped links",
@@ -392,8 +390,8 @@ def drive_links(args: argparse.Namespace) -> None:
             "one_source_gb_per_s": round(gbps[1], 3),
             "gb_per_s": round(gbps[args.sources], 3),
             "speedup": round(speedup, 3),
-            "ratio_to_links": round(gbps[args.sources] / links_gbps, 3),
-            "ratio_to_tcp_ceiling": round(gbps[args.sources] / (links_gbps * tcp_ceiling()), 3),
+            "ratio_to_links": round(of_links, 3),
+            "ratio_to_tcp_ceiling": round(of_links / ceiling, 3),
         },
     )
 

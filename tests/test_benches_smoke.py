@@ -5,9 +5,12 @@ What the numbers are is the benchmark's business, not the test's."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import child_env
 
@@ -65,6 +68,18 @@ def test_heartbeat_capacity_quick_measures_both_transports():
         assert measured["heartbeats_per_s"] > 0 and measured["lighthouse_cpu_us_per_beat"] > 0
         assert measured["quorum_p99_ms_under_load"] >= measured["quorum_p50_ms_under_load"] > 0
     assert result["grpc_over_framed_cpu_per_beat"] > 0
+
+
+def test_recovery_quick_behind_capped_links():
+    """The K-sources mode: its sources behind links of their own (namespaces, root)."""
+    if os.geteuid() != 0:
+        pytest.skip("capped links need network namespaces, so root (CI runs as root)")
+    result = run_quick("recovery.py", 180, "--sources", "2", "--link-mbit", "2000")
+    assert result["bench"] == "recovery_links" and result["sources"] == 2
+    assert result["gb_per_s"] > 0 and result["one_source_gb_per_s"] > 0
+    # A heal cannot beat its links (give or take the caps' 1 MB burst): above, the caps
+    # did not hold and the mode measures nothing.
+    assert 0 < result["ratio_to_tcp_ceiling"] <= 1.05
 
 
 def test_recovery_quick():
