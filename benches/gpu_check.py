@@ -203,16 +203,17 @@ def shown(s: dict[str, float | None], unit: str = "") -> str:
 
 def instrument(log_dir: Path) -> Callable[[], None]:
     """Times this rank's cross-group process group: every build (`configure` that
-    built a new group), every reset of a built one (NCCL: its abort) and the first
+    built a new group), every abort of a retired NCCL group (on its own thread) and the first
     collective of each new group (NCCL sets its communicator up there), one JSON line
     each in a file of this process's. Only timers around phalanx's own methods; the
     function returned puts them back."""
+    from phalanx import process_group
     from phalanx.process_group import FaultTolerantProcessGroup as Group
 
     path = log_dir / f"pg-{os.getpid()}.jsonl"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     replica = os.environ.get("PHALANX_REPLICA_ID", "?")
-    configure, reset, allreduce = Group.configure, Group.reset, Group.allreduce
+    configure, retire, allreduce = Group.configure, process_group.retire, Group.allreduce
 
     def log(what: str, t: float, began: float, **extra: object) -> None:
         seconds = time.perf_counter() - began
@@ -230,11 +231,11 @@ def instrument(log_dir: Path) -> Callable[[], None]:
             self.gpu_check_fresh, self.gpu_check_backend = True, backend
             log("build", t, began, backend=backend, world=membership.world_size)
 
-    def timed_reset(self):
-        had, t, began = self.membership is not None, time.time(), time.perf_counter()
-        reset(self)
-        if had:
-            log("abort", t, began, backend=getattr(self, "gpu_check_backend", None))
+    def timed_retire(held, abort):  # on the thread that ends a forgotten group
+        t, began = time.time(), time.perf_counter()
+        retire(held, abort)
+        if abort:
+            log("abort", t, began, backend="nccl")
 
     def timed_allreduce(self, tensor, abort):
         if not self.__dict__.pop("gpu_check_fresh", False):
@@ -246,10 +247,11 @@ def instrument(log_dir: Path) -> Callable[[], None]:
             log("first-collective", t, began, device=str(tensor.device))
 
     def undo() -> None:
-        Group.configure, Group.reset, Group.allreduce = configure, reset, allreduce
+        Group.configure, process_group.retire, Group.allreduce = configure, retire, allreduce
         os.close(fd)
 
-    Group.configure, Group.reset, Group.allreduce = timed_configure, timed_reset, timed_allreduce
+    Group.configure, Group.allreduce = timed_configure, timed_allreduce
+    process_group.retire = timed_retire
     return undo
 
 
@@ -550,8 +552,11 @@ def run_heal_source(args: argparse.Namespace) -> None:
 
     state = heal_state(args.size_mb, args.device, fill=True)
     host = StateHost(bind="127.0.0.1:0")
-    host.open(HEAL_STEP, HEAL_QUORUM, {"model": state})
-    print(json.dumps({"address": host.address, "digest": digest(state)}), flush=True)
+    began = time.perf_counter()
+    host.open(HEAL_STEP, HEAL_QUORUM, {"model": state})  # a survivor's pause to serve
+    open_s = time.perf_counter() - began
+    print(json.dumps({"address": host.address, "digest": digest(state), "open_s": open_s}))
+    sys.stdout.flush()
     sys.stdin.read()  # serves until the driver closes stdin
     host.shutdown()
 
@@ -584,6 +589,56 @@ def run_heal_receiver(args: argparse.Namespace) -> None:
         ),
         flush=True,
     )
+
+
+#: The ways a GPU tensor's bytes can be held in host memory on their way: a pinned
+#: block per tensor, one pinned block for all (phalanx's), one pageable block.
+STAGINGS = ("pinned-per-tensor", "pinned-block", "pageable-block")
+
+
+def run_staging(args: argparse.Namespace) -> None:
+    """In a fresh process, as a heal's first use of host memory: the state's host
+    copies taken the way `--staging` says, then device → host and host → device."""
+    import torch
+
+    from phalanx.staging import host_views, to_devices
+
+    state = list(heal_state(args.size_mb, "cuda", fill=True).values())
+    began = time.perf_counter()
+    if args.staging == "pinned-per-tensor":
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in state]
+    else:
+        pin = args.staging == "pinned-block"
+        host = host_views([(t.dtype, t.shape) for t in state], pin=pin)
+        if not pin:
+            for h in host:  # first touch, as a transfer into it would
+                h.view(-1).view(torch.uint8).fill_(0)
+    allocated = time.perf_counter()
+    for h, t in zip(host, state, strict=True):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    copied_out = time.perf_counter()
+    to_devices(list(zip(host, state, strict=True)))
+    done = time.perf_counter()
+    times = {"alloc_s": allocated - began, "d2h_s": copied_out - allocated}
+    print(json.dumps({**times, "h2d_s": done - copied_out, "bytes": sum(map(_bytes, state))}))
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def staging_runs(args: argparse.Namespace, out: Path, deadline: Deadline) -> dict[str, dict]:
+    """Each of `STAGINGS` once, in a process of its own."""
+    found = {}
+    for staging in STAGINGS:
+        log = out / f"staging-{staging}.log"
+        p = spawn("staging", log, "--staging", staging, "--size-mb", str(args.heal_mb))
+        try:
+            found[staging] = read_json(p, min(120, deadline.left()), f"staging {staging}", log)
+        finally:
+            end([p])
+    return found
 
 
 def heal_phase(args: argparse.Namespace, deadline: Deadline) -> Phase:
@@ -621,11 +676,15 @@ def heal_phase(args: argparse.Namespace, deadline: Deadline) -> Phase:
                 runs[side].append(run)
     finally:
         end(procs)
-    return heal_result(runs, args.heal_mb)
+    stagings = staging_runs(args, out, deadline) if args.accel == "cuda" else {}
+    return heal_result(runs, args.heal_mb, served["gpu"]["open_s"], stagings)
 
 
-def heal_result(runs: dict[str, list[dict]], size_mb: float) -> Phase:
-    """The heal phase's rows and figures from its runs (`run_heal_receiver`'s lines)."""
+def heal_result(
+    runs: dict[str, list[dict]], size_mb: float, open_s: float, stagings: dict[str, dict]
+) -> Phase:
+    """The heal phase's rows and figures from its runs (`run_heal_receiver`'s lines),
+    the GPU source's time to open its state, and `run_staging`'s lines."""
 
     def gbps(run: dict) -> float:
         return run["bytes"] / run["seconds"] / 1e9
@@ -644,6 +703,11 @@ def heal_result(runs: dict[str, list[dict]], size_mb: float) -> Phase:
         "cuda_to_cpu": spread(ratios),
         "in_place": min(r["in_place"] for r in runs["gpu"]),
         "bit_identical": True,
+        "source_open_s": round(open_s, 4),
+        "staging": {
+            name: {k: round(v, 4) if k.endswith("_s") else v for k, v in run.items()}
+            for name, run in stagings.items()
+        },
     }
     rows = [
         ("heal: state", f"{first['bytes'] / 2**20:.0f} MiB in {first['tensors']} tensors"),
@@ -651,7 +715,15 @@ def heal_result(runs: dict[str, list[dict]], size_mb: float) -> Phase:
         ("heal: CPU → CPU GB/s, same run", shown(result["cpu_gb_per_s"])),
         ("heal: CUDA / CPU", shown(result["cuda_to_cpu"])),
         ("heal: CUDA tensors filled in place", f"{result['in_place']} of {first['tensors']}"),
+        ("heal: the CUDA source's open() (s)", result["source_open_s"]),
     ]
+    for name, run in result["staging"].items():
+        rows.append(
+            (
+                f"staging {name}: alloc / d2h / h2d (s)",
+                f"{run['alloc_s']} / {run['d2h_s']} / {run['h2d_s']}",
+            )
+        )
     return Phase("heal", True, 0.0, rows, result)
 
 
@@ -936,8 +1008,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # One of the check's own workers.
     parser.add_argument(
-        "--worker", choices=["rank", "torch", "phalanx", "heal-source", "heal-receiver"]
+        "--worker",
+        choices=["rank", "torch", "phalanx", "heal-source", "heal-receiver", "staging"],
     )
+    parser.add_argument("--staging", choices=STAGINGS, default=STAGINGS[1])
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--lighthouse", default="")
@@ -967,7 +1041,11 @@ def main(argv: list[str]) -> int:
         run_rank(args.pg_log, rest)
         return 0
     if args.worker is not None:
-        workers = {"heal-source": run_heal_source, "heal-receiver": run_heal_receiver}
+        workers = {
+            "heal-source": run_heal_source,
+            "heal-receiver": run_heal_receiver,
+            "staging": run_staging,
+        }
         workers.get(args.worker, run_step_worker)(args)
         return 0
     deadline = Deadline(args.time_limit)

@@ -26,6 +26,7 @@ MODULES = [
     "phalanx.token",
     "phalanx.recovery",
     "phalanx.manifest",
+    "phalanx.staging",
     "phalanx.buckets",
     "phalanx.process_group",
     "phalanx.store",

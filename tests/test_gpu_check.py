@@ -9,18 +9,22 @@ import doctest
 import json
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from phalanx import process_group
 from phalanx.process_group import (
     CollectiveFailed,
     FaultTolerantProcessGroup,
     Membership,
     backend_for,
 )
+from phalanx.recovery import StateHost
+from phalanx.services import RankServices
 from phalanx.settings import ManagerSettings
 
 from conftest import child_env
@@ -36,12 +40,20 @@ class StandInNcclGroup:
 
     def __init__(self) -> None:
         self.aborts = 0
+        self.aborted = threading.Event()
 
     def allreduce(self, tensors, options):
         raise RuntimeError("NCCL error: remote process exited or there was a network error")
 
     def abort(self) -> None:
         self.aborts += 1
+        self.aborted.set()
+
+    def wait_aborted(self) -> int:
+        """Its aborts, once the first has happened (a retired group is aborted on a
+        thread of its own)."""
+        assert self.aborted.wait(10), "the group was never aborted"
+        return self.aborts
 
 
 def stand_in_connect(built: list[StandInNcclGroup]):
@@ -51,6 +63,13 @@ def stand_in_connect(built: list[StandInNcclGroup]):
         return built[-1], object()
 
     return connect
+
+
+def retired() -> None:
+    """Waits for the process groups being retired to be gone."""
+    for thread in threading.enumerate():
+        if thread.name == "phalanx-retire-pg":
+            thread.join(10)
 
 
 MEMBERSHIP = Membership("127.0.0.1:1", "quorum/7", rank=0, world_size=3)
@@ -79,11 +98,24 @@ def test_a_failed_nccl_group_is_aborted_before_it_is_dropped():
     assert failed.value.from_backend
     assert built[0].aborts == 0
     pg.reset()  # what a failed step does
-    assert built[0].aborts == 1
+    assert built[0].wait_aborted() == 1
     # A new quorum builds a new group; the one before it is aborted on the way.
     pg.configure(MEMBERSHIP, "nccl")
     pg.configure(Membership("127.0.0.1:1", "quorum/8", rank=0, world_size=2), "nccl")
+    assert built[1].wait_aborted() == 1
     assert [g.aborts for g in built] == [1, 1, 0]
+    pg.reset()  # what shutdown does: no group outlives the rank
+    assert [g.wait_aborted() for g in built] == [1, 1, 1]
+
+
+def test_the_cross_group_process_group_is_retired_at_shutdown():
+    built: list[StandInNcclGroup] = []
+    pg = FaultTolerantProcessGroup(timeout=1.0, connect=stand_in_connect(built))
+    pg.configure(MEMBERSHIP, "nccl")
+    host = StateHost(bind="127.0.0.1:0")
+    RankServices(None, None, None, None, host, pg).shutdown()
+    assert built[0].wait_aborted() == 1
+    assert pg.membership is None
 
 
 def test_a_gloo_group_is_not_aborted():
@@ -91,6 +123,7 @@ def test_a_gloo_group_is_not_aborted():
     pg = FaultTolerantProcessGroup(timeout=1.0, connect=stand_in_connect(built))
     pg.configure(MEMBERSHIP, "gloo")
     pg.reset()
+    retired()
     assert built[0].aborts == 0
 
 
@@ -105,6 +138,7 @@ def test_the_timers_log_builds_aborts_and_first_collectives(tmp_path):
             pg.allreduce(torch.ones(4), abort=_abort())
         pg.reset()
         pg.reset()  # nothing left to abort
+        retired()
     finally:
         undo()
     records = gpu_check.read_pg_logs(tmp_path)
@@ -113,7 +147,7 @@ def test_the_timers_log_builds_aborts_and_first_collectives(tmp_path):
     assert records[2]["backend"] == "nccl"
     assert all(r["s"] >= 0 for r in records)
     assert built[0].aborts == 1
-    assert FaultTolerantProcessGroup.reset.__name__ == "reset"  # put back
+    assert process_group.retire.__name__ == "retire"  # put back
 
 
 def test_each_group_gets_an_nccl_host_id_of_its_own():
@@ -300,7 +334,8 @@ def heal_phase() -> gpu_check.Phase:
         "gpu": [{**run, "seconds": 0.5}, {**run, "seconds": 1.0}],
         "cpu": [{**run, "seconds": 1.0}, {**run, "seconds": 2.0}],
     }
-    return gpu_check.heal_result(runs, 2048.0)
+    staged = {"alloc_s": 0.3, "d2h_s": 0.1, "h2d_s": 0.05, "bytes": 2 * 10**9}
+    return gpu_check.heal_result(runs, 2048.0, 0.4, {"pinned-block": staged})
 
 
 def step_phase() -> gpu_check.Phase:

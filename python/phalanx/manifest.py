@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.staging import host_views, to_host
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor, Placement
 
@@ -84,14 +86,11 @@ def _sendable(tensor: torch.Tensor, path: str) -> torch.Tensor:
 
 def _servable(tensor: torch.Tensor, path: str) -> torch.Tensor:
     """The tensor whose memory is lent: itself when it is a dense, contiguous CPU
-    tensor, else a contiguous CPU copy made now (kept until `close()`)."""
+    tensor, else a contiguous CPU copy made now (kept until `close()`). A GPU tensor
+    is returned as it is: `_encode` copies all of them to the host at once."""
     _sendable(tensor, path)
     if tensor.device.type == "cuda":
-        # Sockets read host memory: GPU state is staged once per open(), pinned so the
-        # copy runs at full PCIe speed.
-        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        staged.copy_(tensor)
-        return staged
+        return tensor
     # A conjugate or negative view holds other values in memory than it shows.
     tensor = tensor.resolve_conj().resolve_neg()
     return tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -243,7 +242,13 @@ def _encode(state: Mapping[str, Any], encoder: _Encoder) -> tuple[bytes, list[to
             raise TypeError(f"state names must be strings, got {name!r}")
         tree[name] = encoder.value(value, name)
     manifest = {"format": MANIFEST_FORMAT, "tensors": encoder.table, "state": tree}
-    return json.dumps(manifest, separators=(",", ":")).encode(), encoder.lent
+    lent = encoder.lent
+    if encoder.stage:
+        # Sockets read host memory: the GPU's tensors are copied there once per open().
+        on_gpu = [i for i, t in enumerate(lent) if t.is_cuda]
+        for i, staged in zip(on_gpu, to_host([lent[i] for i in on_gpu]), strict=True):
+            lent[i] = staged
+    return json.dumps(manifest, separators=(",", ":")).encode(), lent
 
 
 # -- decoding (the healing side) ---------------------------------------------------------
@@ -321,6 +326,7 @@ class Receiver:
         self.meshes = list(meshes)
         self.dest: list[torch.Tensor | None] = [None] * len(table)
         self.device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._to_device: list[tuple[int, torch.Tensor]] = []
         self._claimed: list[tuple[int, int]] = []  # sorted (start, end) of reused memory
         self.reused = 0
 
@@ -343,11 +349,10 @@ class Receiver:
         return index, dtype, torch.Size(shape)
 
     def _land(self, index: int, target: torch.Tensor) -> None:
-        """The bytes of tensor `index` go to `target`, through host memory for a GPU."""
+        """The bytes of tensor `index` go to `target`; a GPU's through host memory,
+        cut for all of them at once by `regions()`."""
         if target.is_cuda:
-            staged = torch.empty(target.shape, dtype=target.dtype, pin_memory=True)
-            self.device_copies.append((staged, target))
-            self.dest[index] = staged
+            self._to_device.append((index, target))
         else:
             self.dest[index] = target
 
@@ -449,6 +454,14 @@ class Receiver:
         return True
 
     def regions(self) -> list[tuple[int, int]]:
+        """(address, length) of each tensor's landing place, in the manifest's order;
+        the host memory of the GPU's tensors is taken here, once."""
+        if self._to_device:
+            staged = host_views([(t.dtype, t.shape) for _, t in self._to_device])
+            for (index, target), host in zip(self._to_device, staged, strict=True):
+                self.dest[index] = host
+                self.device_copies.append((host, target))
+            self._to_device = []
         missing = [i for i, t in enumerate(self.dest) if t is None]
         if missing:
             raise _malformed(f"tensors[{missing[0]}]", "listed but not part of the state")

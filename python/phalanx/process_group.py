@@ -9,8 +9,10 @@ Either way the caller gets a failed result and discards the step.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -61,6 +63,37 @@ def gloo_group(
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
+#: torch's ProcessGroupNCCL reads this when it is built: what its watchdog does when a
+#: collective fails or times out.
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+@contextmanager
+def nccl_errors_abort_only() -> Iterator[None]:
+    """Builds the NCCL groups in it with error handling 2 (abort the communicator, keep
+    the process) unless the user chose another. torch's default, 3, tears the whole
+    process down when a collective fails, and across replica groups a peer's loss is
+    no reason to die: the step is discarded and the group rebuilt. Groups built
+    outside (HSDP's shards within a replica group) keep torch's default.
+
+    >>> import os
+    >>> with nccl_errors_abort_only():
+    ...     os.environ[NCCL_ERROR_HANDLING]
+    '2'
+    >>> NCCL_ERROR_HANDLING in os.environ
+    False
+    """
+    chosen = os.environ.get(NCCL_ERROR_HANDLING)
+    if chosen is not None:
+        yield
+        return
+    os.environ[NCCL_ERROR_HANDLING] = "2"
+    try:
+        yield
+    finally:
+        os.environ.pop(NCCL_ERROR_HANDLING, None)
+
+
 def _connect(
     membership: Membership,
     backend: str,
@@ -77,7 +110,8 @@ def _connect(
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, membership.rank, membership.world_size, options)
+        with nccl_errors_abort_only():
+            group = dist.ProcessGroupNCCL(prefixed, membership.rank, membership.world_size, options)
         return group, store
     return gloo_group(prefixed, membership.rank, membership.world_size, timeout, host), store
 
@@ -139,24 +173,16 @@ class FaultTolerantProcessGroup:
         self._backend = backend
 
     def reset(self) -> None:
-        """Forgets the current process group, e.g. after a failed collective.
-
-        The group is destroyed on a thread of its own: gloo's destructor waits for the
-        group's collectives in flight, and with a dead peer those last until their
-        timeout, which the training thread must not wait for. The thread is not a
-        daemon: the interpreter waits for it at exit (at most that timeout), since a
-        destructor that returns while the interpreter finalizes aborts the process
-        ("terminate called without an active exception")."""
+        """Forgets the current process group, e.g. after a failed collective or at
+        shutdown; `retire` ends it on a thread of its own."""
         group, self._group, self._membership = self._group, None, None
         store, self._store = self._store, None
-        if group is not None and self._backend == "nccl":
-            # NCCL can cancel its collectives in flight; gloo cannot (callers keep
-            # the tensors of a failed step away from later steps instead).
-            group.abort()
         if group is not None:
-            holder = [group, store]
+            held = [group, store]
             del group, store
-            threading.Thread(target=holder.clear, name="phalanx-retire-pg").start()
+            threading.Thread(
+                target=retire, args=(held, self._backend == "nccl"), name="phalanx-retire-pg"
+            ).start()
 
     def allreduce(self, tensor: torch.Tensor, abort: Abort) -> Pending:
         if self._group is None or self._membership is None:
@@ -170,6 +196,24 @@ class FaultTolerantProcessGroup:
         except RuntimeError as e:
             raise CollectiveFailed(f"all-reduce could not start: {e}", from_backend=True) from e
         return Pending(work, abort, self._timeout.total_seconds(), on_device=tensor.is_cuda)
+
+
+def retire(held: list, abort: bool) -> None:
+    """Ends a forgotten process group (`held`: it and its store, the last references
+    to them): NCCL's is aborted first (`abort`), which cancels its collectives in
+    flight; gloo cannot cancel them (callers keep the tensors of a failed step away
+    from later steps instead).
+
+    It runs off the training thread, which builds the next group meanwhile: gloo's
+    destructor waits for the group's collectives in flight, with a dead peer until
+    their timeout, and NCCL's abort took half a second on an H200. The thread is not a
+    daemon, so the interpreter waits for it at exit, and every group is gone before
+    the interpreter finalizes: a destructor that returns then aborts the process
+    ("terminate called without an active exception"), and NCCL's watchdog, calling
+    into a store written in Python, crashes it."""
+    if abort:
+        held[0].abort()
+    held.clear()
 
 
 class _Build:

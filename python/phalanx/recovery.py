@@ -40,6 +40,7 @@ import torch
 
 from phalanx import _core
 from phalanx.manifest import IncompatibleStateError, decode_state, encode_state, memory_regions
+from phalanx.staging import to_devices
 
 __all__ = ["IncompatibleStateError", "StateHost", "heal"]
 
@@ -175,8 +176,7 @@ def heal(
         timeout=left,
         connections_per_source=connections_per_source,
     )
-    for staged, target in rx.device_copies:
-        target.copy_(staged)
+    to_devices(rx.device_copies)
     log.info(
         "healed step %d: %.1f MB (%d of %d tensors in place) from %d source(s) in %.3f s"
         " (%.2f GB/s), %d chunk(s) fetched again",

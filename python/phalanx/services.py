@@ -72,6 +72,7 @@ class RankServices:
         return self.group_pg
 
     def shutdown(self) -> None:
+        self.process_group.reset()
         self.host.shutdown()
         if self.server is not None:
             self.server.shutdown()

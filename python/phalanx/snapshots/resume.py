@@ -17,6 +17,7 @@ from phalanx.manifest import decode_state
 from phalanx.snapshots.catalog import DamagedSnapshotError, Manifest, newest_first
 from phalanx.snapshots.storage import Storage
 from phalanx.snapshots.writer import quiet_dcp
+from phalanx.staging import to_devices
 
 log = logging.getLogger("phalanx.snapshots")
 
@@ -86,6 +87,5 @@ def load(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any])
     tensors = {str(i): t for i, t in enumerate(rx.dest)}
     quiet_dcp()
     dcp.load(tensors, storage_reader=storage.reader(f"{manifest.data}/rank-{rank}"), no_dist=True)
-    for staged, target in rx.device_copies:
-        target.copy_(staged)
+    to_devices(rx.device_copies)
     return loaded
