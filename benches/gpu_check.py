@@ -19,7 +19,7 @@ reporting why when it fails:
   check pairs them with the kills: a loss → the group aborted → rebuilt → survivors
   commit again.
 - heal: `--heal-mb` of model-like state on the GPU healed into a fresh process's GPU
-  tensors (host-staged through pinned memory), against the same heal of CPU tensors,
+  tensors (host-staged through one block of host memory), against the same heal of CPU tensors,
   interleaved; bit-identity checked.
 - step: torch DDP over NCCL against phalanx DDP, 3 ranks / 3 groups of an MLP on the
   device, interleaved rounds (as benches/step_overhead.py does over gloo).
@@ -697,7 +697,7 @@ def heal_result(
         "state_mb": size_mb,
         "tensors": first["tensors"],
         "runs": len(cuda),
-        "path": "host-staged (pinned)",
+        "path": "host-staged (one pinned block)",
         "cuda_gb_per_s": spread(cuda),
         "cpu_gb_per_s": spread(cpu),
         "cuda_to_cpu": spread(ratios),
@@ -711,7 +711,7 @@ def heal_result(
     }
     rows = [
         ("heal: state", f"{first['bytes'] / 2**20:.0f} MiB in {first['tensors']} tensors"),
-        ("heal: CUDA → CUDA GB/s (host-staged)", shown(result["cuda_gb_per_s"])),
+        ("heal: CUDA → CUDA GB/s (through host memory)", shown(result["cuda_gb_per_s"])),
         ("heal: CPU → CPU GB/s, same run", shown(result["cpu_gb_per_s"])),
         ("heal: CUDA / CPU", shown(result["cuda_to_cpu"])),
         ("heal: CUDA tensors filled in place", f"{result['in_place']} of {first['tensors']}"),

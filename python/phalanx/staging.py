@@ -1,11 +1,13 @@
 """Host memory for the GPU tensors of a transfer: sockets read and write host memory,
 so a GPU's tensors travel through a copy there.
 
-The copies of one transfer share one block of pinned memory, cut into a tensor per GPU
-tensor, and are made with one wait for the device at the end: pinning memory costs
-far more per call than per byte, so one block of a state's size is cheaper than a
-block per tensor (hundreds in a model's state), and a copy that waits for the device
-per tensor leaves it idle between them.
+The copies of one transfer share one block of pinned host memory, cut into a tensor
+per GPU tensor, and are made with one wait for the device at the end. Pinning costs
+per call more than per byte: on an H200, 1 GiB of a model's state in 385 tensors took
+0.93-0.98 s to pin as a block per tensor, 0.43-0.61 s as one block. A pageable block
+is cheaper to take (0.08-0.09 s with its first touch) but slower to copy through, and
+a 1 GiB heal through it ran at 1.30 GB/s against 1.69 through one pinned block (1.05
+through a pinned block per tensor); the source's `open()` took 0.88 s against 0.55.
 
 >>> import torch
 >>> views = host_views([(torch.float32, torch.Size([2, 3])), (torch.int64, torch.Size([]))])
@@ -35,8 +37,7 @@ def host_views(
     specs: Sequence[tuple[torch.dtype, torch.Size]], pin: bool | None = None
 ) -> list[torch.Tensor]:
     """A host tensor of each (dtype, shape), all cut from one block of memory, pinned
-    (`pin`; default: when CUDA is available) so that copies to and from a GPU run at
-    the link's speed and may overlap."""
+    (`pin`; default: where CUDA is available) for copies to and from a GPU."""
     if pin is None:
         pin = torch.cuda.is_available()
     offsets, total = [], 0
