@@ -1,5 +1,5 @@
 """The GPU check: phalanx on one CUDA device with NCCL, in one command, in under 10
-minutes. Not yet run on a GPU (see docs/benchmarks.md).
+minutes. Its figures on an H200 are in docs/benchmarks.md.
 
     python benches/gpu_check.py                      # every phase, about 5 minutes
     python benches/gpu_check.py --phases chaos --duration 60
