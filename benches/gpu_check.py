@@ -991,8 +991,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="chaos: of the kills")
     parser.add_argument(
         "--fork-server",
-        action="store_true",
-        help="chaos: ranks forked by phalanx run's fork server (default: new processes)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="chaos: ranks forked by phalanx run's fork server, its default (or new processes)",
     )
     parser.add_argument("--heal-mb", type=positive, default=1024.0, help="heal: state size")
     parser.add_argument("--heal-repeat", type=int, default=3, help="heal: runs of each")

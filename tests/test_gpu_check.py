@@ -175,6 +175,33 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_rehearsal_on_the_cpu_runs_every_phase_end_to_end(tmp_path):
+    """The check's machinery (launcher, fork server, kills, timers, heal and step
+    workers, table) over gloo, as the next machine with a GPU will run it."""
+    quick = ["--duration", "24", "--kill-every", "8", "--heal-mb", "16", "--heal-repeat", "1"]
+    quick += ["--rounds", "1", "--steps", "10", "--warmup", "2", "--time-limit", "300"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHES / "gpu_check.py"), "--rehearse-on-cpu", *quick],
+        capture_output=True,
+        text=True,
+        timeout=350,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    phases = result["phases"]
+    assert result["ok"] and set(phases) == {"chaos", "heal", "step"}
+    chaos = phases["chaos"]
+    assert chaos["replicas_consistent"] and chaos["unplanned_exits"] == []
+    assert chaos["failures_injected"] >= 1
+    assert chaos["failures_recovered"] == chaos["failures_injected"]
+    assert phases["heal"]["bit_identical"] and phases["heal"]["in_place"] == 385
+    assert phases["step"]["ratio"]["median"] > 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -195,6 +222,8 @@ def test_bad_options_are_refused(argv, message, capsys):
 def test_options():
     args, rest = gpu_check.parse(["--phases", "step,chaos", "--duration", "60"])
     assert args.phases == ["chaos", "step"] and args.duration == 60.0 and rest == []
+    assert args.fork_server  # as `phalanx run` starts ranks by default
+    assert not gpu_check.parse(["--no-fork-server"])[0].fork_server
     args, rest = gpu_check.parse(["--worker", "rank", "--pg-log", "/x", "--", "--device", "cuda"])
     assert args.worker == "rank" and rest == ["--device", "cuda"]
 

@@ -83,8 +83,7 @@ def nccl_errors_abort_only() -> Iterator[None]:
     >>> NCCL_ERROR_HANDLING in os.environ
     False
     """
-    chosen = os.environ.get(NCCL_ERROR_HANDLING)
-    if chosen is not None:
+    if NCCL_ERROR_HANDLING in os.environ:
         yield
         return
     os.environ[NCCL_ERROR_HANDLING] = "2"
