@@ -228,13 +228,15 @@ impl Sequence {
 
 /// Whether a group still sends its beats as datagrams: it gives them up for the
 /// stream, for as long as the stream lasts, once `UNANSWERED` datagrams in a row went
-/// out over `SILENCE` without a lease coming back (a firewall that drops UDP, a
-/// lighthouse that stopped reading them). The lighthouse renews a lease every 250 ms
-/// at most, and a group gives up a stream silent for a second (`manager::heartbeat`):
-/// half a second falls back well before that, and a slow beat (one a second) needs
+/// out over `SILENCE` (or a quarter of the lease, if shorter) without a lease coming
+/// back: a firewall that drops UDP, a lighthouse that stopped reading them. The
+/// lighthouse renews a lease every 250 ms (or an eighth of it) at most, and a group
+/// gives up a stream silent for a second (`manager::heartbeat`): this falls back well
+/// before that and before its lease runs out, and a slow beat (one a second) needs
 /// three unanswered ones, never one late lease.
 #[derive(Clone, Copy, Debug)]
 pub struct Fallback {
+    silence: Duration,
     last_lease: Instant,
     unanswered: u32,
     given_up: bool,
@@ -244,13 +246,19 @@ impl Fallback {
     pub const SILENCE: Duration = Duration::from_millis(500);
     pub const UNANSWERED: u32 = 3;
 
-    /// Datagrams were offered at `now`, with the stream's first lease.
-    pub fn new(now: Instant) -> Self {
+    /// Datagrams were offered at `now`, with the stream's first lease, of `lease`.
+    pub fn new(now: Instant, lease: Duration) -> Self {
         Fallback {
+            silence: Self::SILENCE.min(lease / 4),
             last_lease: now,
             unanswered: 0,
             given_up: false,
         }
+    }
+
+    /// How long without a lease gives datagrams up.
+    pub fn silence(&self) -> Duration {
+        self.silence
     }
 
     /// A lease came at `now`.
@@ -263,7 +271,7 @@ impl Fallback {
     pub fn by_datagram(&mut self, now: Instant) -> bool {
         if !self.given_up
             && self.unanswered >= Self::UNANSWERED
-            && now.saturating_duration_since(self.last_lease) >= Self::SILENCE
+            && now.saturating_duration_since(self.last_lease) >= self.silence
         {
             self.given_up = true;
         }
@@ -395,7 +403,7 @@ mod tests {
     fn a_group_gives_datagrams_up_after_half_a_second_of_unanswered_ones_for_good() {
         let t = Instant::now();
         let ms = Duration::from_millis;
-        let mut fallback = Fallback::new(t);
+        let mut fallback = Fallback::new(t, Duration::from_secs(2));
         // Beats every 100 ms, a lease every third: datagrams throughout.
         for i in 1..=30u64 {
             assert!(fallback.by_datagram(t + ms(100 * i)), "beat {i}");
@@ -414,10 +422,18 @@ mod tests {
         assert!(fallback.given_up());
 
         // A beat a second: one late lease is no reason, three unanswered ones are.
-        let mut slow = Fallback::new(t);
+        let mut slow = Fallback::new(t, Duration::from_secs(5));
         assert!(slow.by_datagram(t + ms(1000)));
         assert!(slow.by_datagram(t + ms(2000)));
         assert!(slow.by_datagram(t + ms(3000)));
         assert!(!slow.by_datagram(t + ms(4000)));
+
+        // A short lease falls back within a quarter of it.
+        let mut short = Fallback::new(t, ms(400));
+        assert_eq!(short.silence(), ms(100));
+        let sent: Vec<bool> = (1..=4u64)
+            .map(|i| short.by_datagram(t + ms(40 * i)))
+            .collect();
+        assert_eq!(sent, [true, true, true, false]);
     }
 }
