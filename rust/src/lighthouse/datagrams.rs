@@ -21,8 +21,16 @@ use super::service::BeatSink;
 use crate::datagram::{self, Dropped, Key, Sealer, Sequence};
 use crate::proto;
 
-/// Datagrams read by one `recvmmsg` at most.
-const BATCH: usize = 64;
+/// Datagrams read by one `recvmmsg` at most: more than `GATHER` of 10,000 groups'
+/// beats at 10 Hz.
+const BATCH: usize = 256;
+
+/// How long the thread lets datagrams gather after a read that did not fill a batch.
+/// Read as they come, 30,000 beats a second cost a wakeup each (3,000 groups: 7.9 µs
+/// of lighthouse CPU per beat, of which the wakeups took the most); a millisecond's
+/// wait makes it at most a thousand wakeups a second, and delays a beat by that much
+/// against timeouts of a second or more.
+const GATHER: Duration = Duration::from_millis(1);
 
 /// Room for one datagram: more than a beat's, so that a longer one shows its length.
 const SLOT: usize = 2 * datagram::LEN;
@@ -90,7 +98,7 @@ impl Channels {
         self.lock().insert(id, Arc::new(open));
         let offer = proto::DatagramOffer {
             channel: id,
-            key: key.to_vec().into(),
+            key: key.to_vec(),
         };
         let channel = Channel {
             channels: self.clone(),
@@ -246,6 +254,9 @@ fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool
             // beat's either.
             let len = (message.msg_len as usize).min(SLOT);
             channels.receive(&slot[..len]);
+        }
+        if (n as usize) < BATCH {
+            std::thread::sleep(GATHER);
         }
     }
 }

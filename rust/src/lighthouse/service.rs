@@ -757,21 +757,15 @@ impl BeatSink {
     /// stream ends (the beat is malformed, the group was evicted or the stream is
     /// gone).
     pub(crate) fn take(&self, beat: &proto::Beat) -> bool {
-        if validate::beat(beat).is_err()
-            || !self
-                .pulse
-                .beat(Instant::now(), beat.step, beat.last_quorum_id)
-        {
+        let now = Instant::now();
+        if validate::beat(beat).is_err() || !self.pulse.beat(now, beat.step, beat.last_quorum_id) {
             return false;
         }
         self.shared.metrics.heartbeats.inc();
-        if !self
-            .acks()
-            .send(beat.seq, self.pulse.lease_quorum(), Instant::now())
-        {
+        if !self.acks().send(beat.seq, self.pulse.lease_quorum(), now) {
             return false;
         }
-        if self.pulse.trained(Instant::now(), beat) && self.shared.stall_overdue.load(Relaxed) {
+        if self.pulse.trained(now, beat) && self.shared.stall_overdue.load(Relaxed) {
             self.shared.wake.notify_one();
         }
         self.shared.report(&self.replica_id, beat);
