@@ -369,7 +369,7 @@ const OPENING_AT_ONCE: usize = 64;
 /// Keeps `replicas` heartbeat streams open over `transport`, each beating `hz` times a
 /// second, for `duration`, driven by `connections` tasks (over gRPC, a connection
 /// each, its streams multiplexed on it; framed, every stream is a connection of its
-/// own, and with datagrams its beats go beside it); every stream reads what the lighthouse sends it (its leases), as a group
+/// own, and with datagrams its beats go beside it, from one socket); every stream reads what the lighthouse sends it (its leases), as a group
 /// does. Returns the beats sent.
 pub async fn heartbeats(
     address: &str,
@@ -383,8 +383,7 @@ pub async fn heartbeats(
     let connections = connections.clamp(1, replicas.max(1));
     let sockets = match transport {
         BeatTransport::Grpc => connections,
-        BeatTransport::Framed => replicas,
-        BeatTransport::Datagrams => 2 * replicas,
+        BeatTransport::Framed | BeatTransport::Datagrams => replicas,
     };
     if let Some(warning) = crate::fdlimit::ensure(sockets, "the load's connections") {
         return Err(Error::InvalidConfig(warning));

@@ -314,7 +314,8 @@ impl BeatEvents {
 
 /// Where a stream's beats go as datagrams, and whether they still do.
 struct DatagramPath {
-    socket: UdpSocket,
+    socket: &'static UdpSocket,
+    lighthouse: SocketAddr,
     channel: u64,
     sealer: Sealer,
     fallback: Mutex<Fallback>,
@@ -329,15 +330,9 @@ impl DatagramPath {
         lighthouse: SocketAddr,
     ) -> Option<Self> {
         let key: Key = offer.key[..].try_into().ok()?;
-        let any: SocketAddr = match lighthouse {
-            SocketAddr::V4(_) => ([0, 0, 0, 0], 0).into(),
-            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
-        };
-        let socket = UdpSocket::bind(any).ok()?;
-        socket.connect(lighthouse).ok()?;
-        socket.set_nonblocking(true).ok()?;
         Some(DatagramPath {
-            socket,
+            socket: sending_socket(lighthouse.is_ipv6())?,
+            lighthouse,
             channel: offer.channel,
             sealer: Sealer::new(&key),
             fallback: Mutex::new(Fallback::new(Instant::now(), lease)),
@@ -358,10 +353,10 @@ impl DatagramPath {
         if !fallback.by_datagram(Instant::now()) {
             if !was_given_up {
                 tracing::warn!(
-                    "no lease came for the heartbeat datagrams sent to {:?} for {:.1} s: \
+                    "no lease came for the heartbeat datagrams sent to {} for {:.1} s: \
                      beating on the stream instead (does a firewall drop UDP to the \
                      lighthouse's port?)",
-                    self.socket.peer_addr().ok(),
+                    self.lighthouse,
                     fallback.silence().as_secs_f64()
                 );
             }
@@ -370,8 +365,29 @@ impl DatagramPath {
         drop(fallback);
         // A full socket buffer or an unreachable port: this beat goes on the stream,
         // and lost ones count towards falling back.
-        self.socket.send(&self.sealer.seal(&datagram)).is_ok()
+        self.socket
+            .send_to(&self.sealer.seal(&datagram), self.lighthouse)
+            .is_ok()
     }
+}
+
+/// The process's one socket for sending beats as datagrams, of each address family:
+/// a socket each would double a stream's file descriptors (a load generator of
+/// 10,000 groups in one process runs out), and it never reads.
+fn sending_socket(v6: bool) -> Option<&'static UdpSocket> {
+    static V4: OnceLock<Option<UdpSocket>> = OnceLock::new();
+    static V6: OnceLock<Option<UdpSocket>> = OnceLock::new();
+    let (cell, any): (_, SocketAddr) = if v6 {
+        (&V6, (std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+    } else {
+        (&V4, ([0, 0, 0, 0], 0).into())
+    };
+    cell.get_or_init(|| {
+        let socket = UdpSocket::bind(any).ok()?;
+        socket.set_nonblocking(true).ok()?;
+        Some(socket)
+    })
+    .as_ref()
 }
 
 /// Opens a framed heartbeat stream to the lighthouse at `address` ("host:port"),
