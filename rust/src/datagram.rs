@@ -227,24 +227,32 @@ impl Sequence {
 }
 
 /// Whether a group still sends its beats as datagrams: it gives them up for the
-/// stream, for as long as the stream lasts, once `UNANSWERED` datagrams in a row went
-/// out over `SILENCE` (or a quarter of the lease, if shorter) without a lease coming
-/// back: a firewall that drops UDP, a lighthouse that stopped reading them. The
+/// stream once `UNANSWERED` datagrams in a row went out over `SILENCE` (or a quarter
+/// of the lease, if shorter) without a lease coming back: a firewall that drops UDP, a
+/// lighthouse that stopped reading them, or one too busy to lease in time. The
 /// lighthouse renews a lease every 250 ms (or an eighth of it) at most, and a group
 /// gives up a stream silent for a second (`manager::heartbeat`): this falls back well
 /// before that and before its lease runs out, and a slow beat (one a second) needs
 /// three unanswered ones, never one late lease.
+///
+/// Given up, every `PROBE_EVERY`th beat still goes as a datagram alone (that beat is
+/// lost if UDP does not pass, and the others are on the stream): a lease that
+/// acknowledges one says datagrams pass again, and the group goes back to them.
 #[derive(Clone, Copy, Debug)]
 pub struct Fallback {
     silence: Duration,
     last_lease: Instant,
     unanswered: u32,
     given_up: bool,
+    /// Beats since the last probe, and the last probe's sequence number.
+    since_probe: u32,
+    probe: Option<u64>,
 }
 
 impl Fallback {
     pub const SILENCE: Duration = Duration::from_millis(500);
     pub const UNANSWERED: u32 = 3;
+    pub const PROBE_EVERY: u32 = 10;
 
     /// Datagrams were offered at `now`, with the stream's first lease, of `lease`.
     pub fn new(now: Instant, lease: Duration) -> Self {
@@ -253,6 +261,8 @@ impl Fallback {
             last_lease: now,
             unanswered: 0,
             given_up: false,
+            since_probe: 0,
+            probe: None,
         }
     }
 
@@ -261,22 +271,34 @@ impl Fallback {
         self.silence
     }
 
-    /// A lease came at `now`.
-    pub fn leased(&mut self, now: Instant) {
+    /// A lease of beat `seq` came at `now`.
+    pub fn leased(&mut self, now: Instant, seq: u64) {
         self.last_lease = now;
         self.unanswered = 0;
+        if self.given_up && self.probe == Some(seq) {
+            self.given_up = false;
+            self.probe = None;
+        }
     }
 
-    /// Whether the beat sent at `now` goes as a datagram (counted as sent if so).
-    pub fn by_datagram(&mut self, now: Instant) -> bool {
+    /// Whether beat `seq`, sent at `now`, goes as a datagram (counted as sent if so)
+    /// rather than on the stream.
+    pub fn by_datagram(&mut self, now: Instant, seq: u64) -> bool {
         if !self.given_up
             && self.unanswered >= Self::UNANSWERED
             && now.saturating_duration_since(self.last_lease) >= self.silence
         {
             self.given_up = true;
+            self.since_probe = 0;
         }
         if self.given_up {
-            return false;
+            self.since_probe += 1;
+            if self.since_probe < Self::PROBE_EVERY {
+                return false;
+            }
+            self.since_probe = 0;
+            self.probe = Some(seq);
+            return true;
         }
         self.unanswered += 1;
         true
@@ -400,39 +422,57 @@ mod tests {
     }
 
     #[test]
-    fn a_group_gives_datagrams_up_after_half_a_second_of_unanswered_ones_for_good() {
+    fn a_group_gives_datagrams_up_after_half_a_second_unanswered_and_probes_to_come_back() {
         let t = Instant::now();
         let ms = Duration::from_millis;
         let mut fallback = Fallback::new(t, Duration::from_secs(2));
         // Beats every 100 ms, a lease every third: datagrams throughout.
         for i in 1..=30u64 {
-            assert!(fallback.by_datagram(t + ms(100 * i)), "beat {i}");
+            assert!(fallback.by_datagram(t + ms(100 * i), i), "beat {i}");
             if i % 3 == 0 {
-                fallback.leased(t + ms(100 * i + 1));
+                fallback.leased(t + ms(100 * i + 1), i);
             }
         }
         // Then no lease: five more datagrams, and the stream from half a second on.
         let quiet = t + ms(3001);
-        let sent: Vec<bool> = (1..=8u64)
-            .map(|i| fallback.by_datagram(quiet + ms(100 * i)))
+        let sent: Vec<bool> = (31..=38u64)
+            .map(|i| fallback.by_datagram(quiet + ms(100 * (i - 30)), i))
             .collect();
         assert_eq!(sent, [true, true, true, true, false, false, false, false]);
-        fallback.leased(quiet + ms(900));
-        assert!(!fallback.by_datagram(quiet + ms(1000)), "given up for good");
+        // Leases of beats on the stream: still on the stream, but every tenth beat
+        // probes with a datagram alone.
+        fallback.leased(quiet + ms(900), 37);
+        let sent: Vec<bool> = (39..=48u64)
+            .map(|i| fallback.by_datagram(quiet + ms(100 * (i - 30)), i))
+            .collect();
+        assert_eq!(sent.iter().filter(|&&d| d).count(), 1, "{sent:?}");
+        assert!(
+            sent[44 - 39],
+            "the tenth beat since it gave up (35): {sent:?}"
+        );
         assert!(fallback.given_up());
+        fallback.leased(quiet + ms(1900), 47);
+        assert!(
+            !fallback.by_datagram(quiet + ms(2000), 49),
+            "not the probe's lease"
+        );
+        // The probe's lease: datagrams pass again.
+        fallback.leased(quiet + ms(2001), 44);
+        assert!(!fallback.given_up());
+        assert!(fallback.by_datagram(quiet + ms(2100), 50));
 
         // A beat a second: one late lease is no reason, three unanswered ones are.
         let mut slow = Fallback::new(t, Duration::from_secs(5));
-        assert!(slow.by_datagram(t + ms(1000)));
-        assert!(slow.by_datagram(t + ms(2000)));
-        assert!(slow.by_datagram(t + ms(3000)));
-        assert!(!slow.by_datagram(t + ms(4000)));
+        assert!(slow.by_datagram(t + ms(1000), 2));
+        assert!(slow.by_datagram(t + ms(2000), 3));
+        assert!(slow.by_datagram(t + ms(3000), 4));
+        assert!(!slow.by_datagram(t + ms(4000), 5));
 
         // A short lease falls back within a quarter of it.
         let mut short = Fallback::new(t, ms(400));
         assert_eq!(short.silence(), ms(100));
         let sent: Vec<bool> = (1..=4u64)
-            .map(|i| short.by_datagram(t + ms(40 * i)))
+            .map(|i| short.by_datagram(t + ms(40 * i), i))
             .collect();
         assert_eq!(sent, [true, true, true, false]);
     }

@@ -135,7 +135,7 @@ impl Channels {
         }
         // A beat the stream refuses (the group was evicted, its stream is ending) ends
         // nothing here: the stream's task ends it.
-        open.sink.take(&beat.to_beat());
+        open.sink.take(&beat.to_beat(), true);
         Ok(())
     }
 }

@@ -614,6 +614,7 @@ impl Site {
             lease_ms: heartbeat_timeout.as_millis() as u64,
             last: None,
             offer: None,
+            by_datagram: false,
         };
         let (stream_id, pulse) = {
             let mut st = shared.lock();
@@ -646,7 +647,7 @@ impl Site {
             _ => None,
         };
         sink.acks()
-            .send(first.seq, sink.pulse.lease_quorum(), Instant::now());
+            .send(first.seq, sink.pulse.lease_quorum(), Instant::now(), false);
         sink.pulse.trained(Instant::now(), &first);
         shared.report(&first.replica_id, &first);
         let asking = first
@@ -717,18 +718,24 @@ struct Acks {
     last: Option<(Instant, u64)>,
     /// The datagram channel offered with the stream's first lease.
     offer: Option<proto::DatagramOffer>,
+    /// Whether the last beat came as a datagram.
+    by_datagram: bool,
 }
 
 impl Acks {
-    /// Acknowledges beat `seq` with a lease of `quorum_id`, unless the last one is
-    /// recent and of the same quorum (a new quorum's lease goes out at once); false
-    /// once the stream is gone. A full queue means the group is not reading; it holds
-    /// no lease then.
-    fn send(&mut self, seq: u64, quorum_id: u64, now: Instant) -> bool {
+    /// Acknowledges beat `seq` (a datagram if `by_datagram`) with a lease of
+    /// `quorum_id`, unless the last one is recent and of the same quorum (a new
+    /// quorum's lease goes out at once, and so does the first datagram's after beats
+    /// on the stream: the group that fell back learns that datagrams pass again, see
+    /// `datagram::Fallback`); false once the stream is gone. A full queue means the
+    /// group is not reading; it holds no lease then.
+    fn send(&mut self, seq: u64, quorum_id: u64, now: Instant, by_datagram: bool) -> bool {
         let Some(events) = self.events.upgrade() else {
             return false;
         };
-        if renewal_due(self.last, quorum_id, self.lease_ms, now) {
+        let switched = by_datagram && !self.by_datagram;
+        self.by_datagram = by_datagram;
+        if switched || renewal_due(self.last, quorum_id, self.lease_ms, now) {
             let granted = lease(seq, quorum_id, self.lease_ms, self.offer.take());
             if events.try_send(granted).is_ok() {
                 self.last = Some((now, quorum_id));
@@ -753,16 +760,19 @@ impl BeatSink {
         self.acks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The hot path: no state lock, a few atomic operations and one ack. False: the
-    /// stream ends (the beat is malformed, the group was evicted or the stream is
-    /// gone).
-    pub(crate) fn take(&self, beat: &proto::Beat) -> bool {
+    /// The hot path: no state lock, a few atomic operations and one ack; `by_datagram`:
+    /// the beat came as a datagram. False: the stream ends (the beat is malformed, the
+    /// group was evicted or the stream is gone).
+    pub(crate) fn take(&self, beat: &proto::Beat, by_datagram: bool) -> bool {
         let now = Instant::now();
         if validate::beat(beat).is_err() || !self.pulse.beat(now, beat.step, beat.last_quorum_id) {
             return false;
         }
         self.shared.metrics.heartbeats.inc();
-        if !self.acks().send(beat.seq, self.pulse.lease_quorum(), now) {
+        if !self
+            .acks()
+            .send(beat.seq, self.pulse.lease_quorum(), now, by_datagram)
+        {
             return false;
         }
         if self.pulse.trained(now, beat) && self.shared.stall_overdue.load(Relaxed) {
@@ -809,7 +819,7 @@ impl BeatTask {
         // An ask on its own (seq 0) is a sign of life that reports nothing else; its
         // answer acknowledges it.
         if beat.seq != 0 || ask.is_none() {
-            if !sink.take(&beat) {
+            if !sink.take(&beat, false) {
                 return false;
             }
         } else if validate::beat(&beat).is_err()

@@ -294,15 +294,15 @@ impl BeatEvents {
             Some(proto::LighthouseEvent {
                 event: Some(Event::End(end)),
             }) => ended(end).map_or(Ok(None), Err),
-            Some(
-                event @ proto::LighthouseEvent {
-                    event: Some(Event::Lease(_)),
-                },
-            ) => {
+            Some(proto::LighthouseEvent {
+                event: Some(Event::Lease(lease)),
+            }) => {
                 if let Some(path) = datagrams.get() {
-                    path.fallback().leased(Instant::now());
+                    path.fallback().leased(Instant::now(), lease.seq);
                 }
-                Ok(Some(event))
+                Ok(Some(proto::LighthouseEvent {
+                    event: Some(Event::Lease(lease)),
+                }))
             }
             Some(event) => Ok(Some(event)),
             None => Err(Status::unavailable(
@@ -350,14 +350,15 @@ impl DatagramPath {
         };
         let mut fallback = self.fallback();
         let was_given_up = fallback.given_up();
-        if !fallback.by_datagram(Instant::now()) {
+        if !fallback.by_datagram(Instant::now(), datagram.seq) {
             if !was_given_up {
                 tracing::warn!(
                     "no lease came for the heartbeat datagrams sent to {} for {:.1} s: \
-                     beating on the stream instead (does a firewall drop UDP to the \
-                     lighthouse's port?)",
+                     beating on the stream instead, and trying a datagram every {} beats \
+                     (does a firewall drop UDP to the lighthouse's port?)",
                     self.lighthouse,
-                    fallback.silence().as_secs_f64()
+                    fallback.silence().as_secs_f64(),
+                    Fallback::PROBE_EVERY
                 );
             }
             return false;
