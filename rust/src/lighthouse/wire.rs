@@ -2,7 +2,8 @@
 //! both ends: the lighthouse's, for a connection its door let in that opened with the
 //! frames' preface, and the group's ([`open`]). The stream means what a gRPC
 //! `Lighthouse.Heartbeat` means, event for event; only the bytes around the messages
-//! differ (see `frames` for why).
+//! differ (see `frames` for why). On the group's side, its beats go as UDP datagrams
+//! beside the stream once the lighthouse offers them (`crate::datagram`).
 
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
