@@ -11,10 +11,12 @@ costs the lighthouse a third of a second at 10,000 groups, so it is read rarely)
 gives its cost per beat; then quorum rounds run beside the beats. Every group live at
 the end and none evicted in between says it carried them all.
 
-Each run measures both heartbeat transports in turn, each with a lighthouse of its
-own: framed (what groups use) and gRPC (`Lighthouse.Heartbeat` over HTTP/2, the
-yardstick; `--connections` fewer than the groups multiplexes its streams on them).
-The ratio is the gRPC stream's cost per beat over the framed one's.
+Each run measures the heartbeat transports in turn, each with a lighthouse of its
+own: datagrams (what groups use: a framed stream, its beats as UDP datagrams beside
+it), framed (every beat on the stream) and gRPC (`Lighthouse.Heartbeat` over HTTP/2,
+the yardstick; `--connections` fewer than the groups multiplexes its streams on
+them). The ratios are the framed stream's and gRPC's cost per beat over the
+datagrams' and the framed stream's.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def scrape(address: str) -> dict[str, float]:
             counts["live"] = float(value)
         elif name == "phalanx_lighthouse_heartbeats_total":
             counts["beats"] = float(value)
+        elif name == "phalanx_lighthouse_datagram_beats_total":
+            counts["datagram_beats"] = float(value)
         elif name.startswith("phalanx_lighthouse_evictions_total{"):
             counts["evictions"] += float(value)
     return counts
@@ -103,7 +107,10 @@ def measure(args: argparse.Namespace, transport: str) -> dict[str, float]:
     # are done, so afterwards it is the live count that says none of the load was lost.
     evicted = beaten["evictions"] - before["evictions"]
     latencies = [s * 1e3 for s, _, _ in timings]
+    beats = beaten["beats"] - before["beats"]
+    as_datagrams = beaten.get("datagram_beats", 0.0) - before.get("datagram_beats", 0.0)
     return {
+        "datagram_share": as_datagrams / beats if beats else 0.0,
         "heartbeats_per_s": beats_per_s,
         "us_per_beat": cpu_per_s / beats_per_s * 1e6 if beats_per_s else float("nan"),
         "quorum_p50_ms": percentile(latencies, 50),
@@ -127,8 +134,10 @@ def main() -> None:
     parser.add_argument(
         "--beats-window", type=float, default=4.0, help="seconds of beats alone measured"
     )
-    parser.add_argument("--runs", type=int, default=1, help="runs of both transports, interleaved")
-    parser.add_argument("--transports", default="framed,grpc")
+    parser.add_argument("--runs", type=int, default=1, help="runs of the transports, interleaved")
+    parser.add_argument(
+        "--transports", default="datagrams,framed,grpc", help="comma-separated, of these"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="200 groups for a few seconds: a smoke run"
     )
@@ -136,8 +145,11 @@ def main() -> None:
     if args.quick:
         args.replicas, args.seconds, args.rounds, args.beats_window = 200, 8.0, 30, 1.0
     transports = args.transports.split(",")
-    if not transports or not set(transports) <= {"framed", "grpc"}:
-        parser.error(f"--transports {args.transports!r}: give framed, grpc or framed,grpc")
+    if not transports or not set(transports) <= {"datagrams", "framed", "grpc"}:
+        parser.error(
+            f"--transports {args.transports!r}: give some of datagrams, framed, grpc, "
+            "comma-separated"
+        )
 
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     failed: dict[str, str] = {}
@@ -172,6 +184,7 @@ def main() -> None:
             "quorum_p50_ms_under_load": round(median(t, "quorum_p50_ms"), 3),
             "quorum_p99_ms_under_load": round(median(t, "quorum_p99_ms"), 3),
             "all_live_throughout": all(run["all_live_throughout"] for run in runs[t]),
+            "beats_as_datagrams": round(median(t, "datagram_share"), 3),
             "evicted_while_measured": int(sum(run["evicted_while_measured"] for run in runs[t])),
             "runs_failed": args.runs - len(runs[t]),
         }
@@ -182,6 +195,12 @@ def main() -> None:
             (f"{t}: quorum p99 under load (ms)", result[t]["quorum_p99_ms_under_load"]),
             (f"{t}: every group live throughout", result[t]["all_live_throughout"]),
         ]
+        if t == "datagrams":
+            rows.append((f"{t}: share of beats as datagrams", result[t]["beats_as_datagrams"]))
+    if runs.get("datagrams") and runs.get("framed"):
+        ratio = median("framed", "us_per_beat") / median("datagrams", "us_per_beat")
+        result["framed_over_datagrams_cpu_per_beat"] = round(ratio, 2)
+        rows.append(("framed's CPU per beat / datagrams'", ratio))
     if runs.get("framed") and runs.get("grpc"):
         ratio = median("grpc", "us_per_beat") / median("framed", "us_per_beat")
         result["grpc_over_framed_cpu_per_beat"] = round(ratio, 2)

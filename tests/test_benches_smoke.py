@@ -59,15 +59,20 @@ def test_scale_curve_quick():
     assert result["sizes"][0]["crash_told_ratio"] == 1.0
 
 
-def test_heartbeat_capacity_quick_measures_both_transports():
-    result = run_quick("heartbeat_capacity.py", timeout=120)
+def test_heartbeat_capacity_quick_measures_every_transport():
+    result = run_quick("heartbeat_capacity.py", timeout=180)
     assert result["bench"] == "heartbeat_capacity" and result["replicas"] == 200
-    for transport in ("framed", "grpc"):
+    for transport in ("datagrams", "framed", "grpc"):
         measured = result[transport]
         assert measured["all_live_throughout"], measured
         assert measured["heartbeats_per_s"] > 0 and measured["lighthouse_cpu_us_per_beat"] > 0
         assert measured["quorum_p99_ms_under_load"] >= measured["quorum_p50_ms_under_load"] > 0
+    # Datagram beats went as datagrams (the first of each stream goes on it), the
+    # framed ones on their streams.
+    assert result["datagrams"]["beats_as_datagrams"] > 0.9, result["datagrams"]
+    assert result["framed"]["beats_as_datagrams"] == 0
     assert result["grpc_over_framed_cpu_per_beat"] > 0
+    assert result["framed_over_datagrams_cpu_per_beat"] > 0
 
 
 def test_recovery_quick_behind_capped_links():

@@ -278,10 +278,13 @@ class LighthouseServer:
         max_groups: int | None = None,
         max_jobs: int | None = None,
         forget_jobs_after: float | None = None,
+        datagrams: bool = True,
     ) -> None:
         """Serves at `bind`. Without `token`, an address other hosts can reach (the
         wildcard 0.0.0.0 included) is refused with a ValueError unless `insecure`.
         Options left None take the lighthouse's defaults, `LIGHTHOUSE_DEFAULTS`.
+        `datagrams=False` takes every beat on its group's stream (`--no-datagrams`):
+        by default groups send their beats as UDP datagrams to the same port number.
 
         With `peers` (every member's host:port, the same list on every member, 3 or
         more) and `id` (this one's place in it, from 1) it is one of a set of

@@ -112,6 +112,10 @@ pub struct LighthouseFlags {
     /// lighthouse refuses to. Only on a network where you trust every host.
     #[arg(long)]
     pub insecure: bool,
+    /// Take every beat on its group's heartbeat stream: offer no UDP datagrams for
+    /// them (on by default, on UDP at the same port number as --bind).
+    #[arg(long)]
+    pub no_datagrams: bool,
     /// Run as one of a set of lighthouses (no single point of failure): every member's
     /// host:port, comma-separated, in the same order on every member, this one's
     /// included. One serves at a time, chosen by Raft; clients take the same list
@@ -296,6 +300,7 @@ impl LighthouseArgs {
                 max_jobs: flags.max_jobs,
                 forget_after: flags.forget_jobs_after,
             },
+            datagrams: !flags.no_datagrams,
         })
     }
 }

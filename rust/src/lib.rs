@@ -4,6 +4,7 @@
 
 pub mod auth;
 pub mod cli;
+pub mod datagram;
 pub mod delta;
 pub mod door;
 mod error;

@@ -369,7 +369,7 @@ const OPENING_AT_ONCE: usize = 64;
 /// Keeps `replicas` heartbeat streams open over `transport`, each beating `hz` times a
 /// second, for `duration`, driven by `connections` tasks (over gRPC, a connection
 /// each, its streams multiplexed on it; framed, every stream is a connection of its
-/// own); every stream reads what the lighthouse sends it (its leases), as a group
+/// own, and with datagrams its beats go beside it, from one socket); every stream reads what the lighthouse sends it (its leases), as a group
 /// does. Returns the beats sent.
 pub async fn heartbeats(
     address: &str,
@@ -383,7 +383,7 @@ pub async fn heartbeats(
     let connections = connections.clamp(1, replicas.max(1));
     let sockets = match transport {
         BeatTransport::Grpc => connections,
-        BeatTransport::Framed => replicas,
+        BeatTransport::Framed | BeatTransport::Datagrams => replicas,
     };
     if let Some(warning) = crate::fdlimit::ensure(sockets, "the load's connections") {
         return Err(Error::InvalidConfig(warning));
@@ -416,11 +416,13 @@ pub async fn heartbeats(
             let deadline = Instant::now() + duration;
             let mut ticker = tokio::time::interval(period);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut sent = 0u64;
+            let (mut sent, mut seq) = (0u64, 0u64);
             while Instant::now() < deadline {
                 ticker.tick().await;
+                // Numbered as a group numbers them: a datagram must grow its stream's.
+                seq += 1;
                 for tx in &streams {
-                    if tx.try_send(beat("")).is_ok() {
+                    if tx.try_send(proto::Beat { seq, ..beat("") }).is_ok() {
                         sent += 1;
                     }
                 }

@@ -42,6 +42,7 @@ fn options(min_replicas: usize) -> LighthouseOptions {
         connections: GateLimits::RPC,
         insecure: false,
         jobs: JobLimits::DEFAULT,
+        datagrams: true,
     }
 }
 
@@ -1178,6 +1179,8 @@ async fn a_flood_of_asks_on_one_stream_leaves_only_the_last_one_waiting() {
     assert!(status.replicas.iter().all(|r| !r.joined), "{status:?}");
 }
 
+#[path = "lighthouse/datagrams.rs"]
+mod datagrams;
 #[path = "lighthouse/jobs.rs"]
 mod jobs;
 #[path = "lighthouse/wire.rs"]

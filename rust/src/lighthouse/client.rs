@@ -198,7 +198,8 @@ impl LighthouseClient {
         })
     }
 
-    /// This client's heartbeat streams go over `transport` (framed by default).
+    /// This client's heartbeat streams go over `transport` (framed, beats as
+    /// datagrams when offered, by default).
     pub fn beats_over(mut self, transport: BeatTransport) -> Self {
         self.beats_over = transport;
         self
@@ -448,7 +449,8 @@ impl LighthouseClient {
         let at = self.route();
         let link = &self.links[at.index];
         let connect = timeout.min(CONNECT_ATTEMPT);
-        let opening = wire::open(&link.beat_address, &link.hello, beats, connect);
+        let datagrams = self.beats_over == BeatTransport::Datagrams;
+        let opening = wire::open(&link.beat_address, &link.hello, beats, connect, datagrams);
         let result = within(timeout, opening).await.unwrap_or_else(|| {
             self.went_silent(at);
             Err(Error::Rpc(Status::deadline_exceeded(format!(

@@ -65,6 +65,12 @@ pub struct SiteMetrics {
     pub raft_refused: RaftRefusals,
     pub jobs: Gauge,
     pub jobs_forgotten: Counter,
+    /// Beats taken as datagrams (`datagram`), of every job; `heartbeats` counts them
+    /// too, by job.
+    pub datagram_beats: Counter,
+    /// Datagrams dropped, by `reason` (`datagram::Dropped`): stray traffic, a stream
+    /// that ended, or someone without the stream's key.
+    pub datagrams_dropped: Family<Labels, Counter>,
 }
 
 impl SiteMetrics {
@@ -76,6 +82,8 @@ impl SiteMetrics {
             raft_refused: Family::default(),
             jobs: Gauge::default(),
             jobs_forgotten: Counter::default(),
+            datagram_beats: Counter::default(),
+            datagrams_dropped: Family::default(),
         };
         registry.register(
             "refused_requests",
@@ -101,6 +109,23 @@ impl SiteMetrics {
             "Jobs forgotten after no group used them for --forget-jobs-after",
             m.jobs_forgotten.clone(),
         );
+        registry.register(
+            "datagram_beats",
+            "Beats taken as UDP datagrams beside their heartbeat streams",
+            m.datagram_beats.clone(),
+        );
+        registry.register(
+            "datagrams_dropped",
+            "Datagrams dropped, by reason: garbage (no beat's layout), unknown_channel \
+             (no open stream's), forged (not the stream's key), replayed (a sequence \
+             number taken already)",
+            m.datagrams_dropped.clone(),
+        );
+        for reason in crate::datagram::Dropped::ALL {
+            let _ = m
+                .datagrams_dropped
+                .get_or_create(&vec![("reason", reason.as_str())]);
+        }
         SiteMetrics { registry, ..m }
     }
 

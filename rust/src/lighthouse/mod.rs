@@ -4,6 +4,7 @@
 
 mod access;
 pub mod client;
+pub(crate) mod datagrams;
 mod history;
 mod http;
 pub mod jobs;
@@ -88,6 +89,9 @@ pub struct LighthouseOptions {
     pub insecure: bool,
     /// How many jobs it serves at once, and when it forgets one (see `jobs`).
     pub jobs: JobLimits,
+    /// Offer framed streams to take their beats as UDP datagrams on the same port
+    /// number (`crate::datagram`); off, every beat comes on its stream.
+    pub datagrams: bool,
 }
 
 impl Default for LighthouseOptions {
@@ -102,6 +106,7 @@ impl Default for LighthouseOptions {
             connections: GateLimits::lighthouse(Tuning::DEFAULT.max_groups),
             insecure: false,
             jobs: JobLimits::DEFAULT,
+            datagrams: true,
         }
     }
 }
@@ -178,6 +183,24 @@ fn check_exposure(options: &LighthouseOptions, bound: SocketAddr) -> Result<(), 
     )))
 }
 
+/// Reads beats as datagrams on UDP `bound` (the TCP listener's address and port),
+/// and offers them to framed streams from now on. A port some other program holds
+/// costs the offer, never the lighthouse: its groups beat on their streams.
+fn take_datagrams(site: &Site, bound: SocketAddr, shutdown: watch::Receiver<bool>) {
+    let channels = datagrams::Channels::new(&site.metrics);
+    let reading = datagrams::bind(bound)
+        .and_then(|socket| datagrams::spawn_reader(socket, channels.clone(), shutdown));
+    match reading {
+        Ok(_) => {
+            let _ = site.datagrams.set(channels);
+        }
+        Err(e) => tracing::warn!(
+            "no heartbeat datagrams on UDP {bound}: {e}; groups beat on their streams \
+             (free the UDP port, or give --no-datagrams to say so)"
+        ),
+    }
+}
+
 /// Starts a lighthouse on the current tokio runtime.
 pub async fn serve(options: LighthouseOptions) -> Result<ServerHandle, Error> {
     serve_in_set(options, None).await
@@ -204,6 +227,9 @@ pub async fn serve_in_set(
         max_groups: options.connections.max_connections,
     };
     let site = Site::new(defaults, options.jobs, shutdown_rx.clone());
+    if options.datagrams {
+        take_datagrams(&site, bound, shutdown_rx.clone());
+    }
     let grpc = LighthouseServer::new(LighthouseService { site: site.clone() })
         .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, JobCheck(options.token.clone()));

@@ -18,6 +18,7 @@ use tokio_util::task::AbortOnDropHandle;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::access::job_of;
+use super::datagrams::{Channel, Channels};
 use super::history::Eviction;
 use super::jobs::{judge_idle, Idle, JobName, JobRequest};
 use super::leadership::quorum_id_floor;
@@ -46,6 +47,9 @@ pub(crate) struct Site {
     /// This lighthouse's place in a set; unset for a lighthouse on its own.
     pub(crate) seat: Arc<OnceLock<Arc<Seat>>>,
     shutdown: watch::Receiver<bool>,
+    /// The datagram channels of the framed streams; None: beats come on the streams
+    /// only (`--no-datagrams`, or the UDP port was taken).
+    pub(crate) datagrams: OnceLock<Arc<Channels>>,
 }
 
 /// How many jobs a lighthouse serves at once, and when it forgets one.
@@ -82,6 +86,7 @@ impl Site {
             started: Instant::now(),
             seat: Arc::new(OnceLock::new()),
             shutdown,
+            datagrams: OnceLock::new(),
         });
         site.job(&JobRequest::default())
             .expect("the default job's rules are the lighthouse's");
@@ -597,16 +602,19 @@ impl Site {
     ) -> Result<Events, Status> {
         let refusals = &self.metrics.refusals;
         let first = first_beat(refusals, &mut inbound, self.defaults.heartbeat_timeout).await?;
+        let framed = matches!(inbound, Inbound::Framed(_));
         let shared = self.job(&job)?;
         let heartbeat_timeout = shared.rules.heartbeat_timeout;
 
         let (events_tx, events_rx) = mpsc::channel(16);
         // Weak: the state holds the stream's one strong sender, so that evicting the
         // group ends its response stream at once, beats or no beats.
-        let mut acks = Acks {
+        let acks = Acks {
             events: events_tx.downgrade(),
             lease_ms: heartbeat_timeout.as_millis() as u64,
             last: None,
+            offer: None,
+            by_datagram: false,
         };
         let (stream_id, pulse) = {
             let mut st = shared.lock();
@@ -621,20 +629,35 @@ impl Site {
             opened
         };
         shared.metrics.heartbeats.inc();
-        acks.send(first.seq, pulse.lease_quorum(), Instant::now());
-        pulse.trained(Instant::now(), &first);
-        shared.report(&first.replica_id, &first);
-        let replica_id = first.replica_id.clone();
-        let asking = first.ask.map(|ask| {
-            shared.answer_ask(&replica_id, ask, first.last_quorum_id, acks.events.clone())
-        });
-        let task = BeatTask {
+        let events = acks.events.clone();
+        let sink = Arc::new(BeatSink {
             shared: shared.clone(),
-            inbound,
             pulse,
-            replica_id,
+            replica_id: first.replica_id.clone(),
+            acks: Mutex::new(acks),
+        });
+        // Only a framed stream is offered datagrams: a group that beats over gRPC is
+        // one behind a proxy that passes nothing else.
+        let channel = match (self.datagrams.get(), framed) {
+            (Some(channels), true) => {
+                let (channel, offer) = channels.open(sink.clone());
+                sink.acks().offer = Some(offer);
+                Some(channel)
+            }
+            _ => None,
+        };
+        sink.acks()
+            .send(first.seq, sink.pulse.lease_quorum(), Instant::now(), false);
+        sink.pulse.trained(Instant::now(), &first);
+        shared.report(&first.replica_id, &first);
+        let asking = first
+            .ask
+            .map(|ask| shared.answer_ask(&first.replica_id, ask, first.last_quorum_id, events));
+        let task = BeatTask {
+            sink,
+            inbound,
             stream_id,
-            acks,
+            _channel: channel,
             _asking: asking,
         };
         tokio::spawn(task.run());
@@ -693,36 +716,80 @@ struct Acks {
     lease_ms: u64,
     /// When the last acknowledgement went out, and of which quorum's lease.
     last: Option<(Instant, u64)>,
+    /// The datagram channel offered with the stream's first lease.
+    offer: Option<proto::DatagramOffer>,
+    /// Whether the last beat came as a datagram.
+    by_datagram: bool,
 }
 
 impl Acks {
-    /// Acknowledges beat `seq` with a lease of `quorum_id`, unless the last one is
-    /// recent and of the same quorum (a new quorum's lease goes out at once); false
-    /// once the stream is gone. A full queue means the group is not reading; it holds
-    /// no lease then.
-    fn send(&mut self, seq: u64, quorum_id: u64, now: Instant) -> bool {
+    /// Acknowledges beat `seq` (a datagram if `by_datagram`) with a lease of
+    /// `quorum_id`, unless the last one is recent and of the same quorum (a new
+    /// quorum's lease goes out at once, and so does the first datagram's after beats
+    /// on the stream: the group that fell back learns that datagrams pass again, see
+    /// `datagram::Fallback`); false once the stream is gone. A full queue means the
+    /// group is not reading; it holds no lease then.
+    fn send(&mut self, seq: u64, quorum_id: u64, now: Instant, by_datagram: bool) -> bool {
         let Some(events) = self.events.upgrade() else {
             return false;
         };
-        if renewal_due(self.last, quorum_id, self.lease_ms, now)
-            && events
-                .try_send(lease(seq, quorum_id, self.lease_ms))
-                .is_ok()
-        {
-            self.last = Some((now, quorum_id));
+        let switched = by_datagram && !self.by_datagram;
+        self.by_datagram = by_datagram;
+        if switched || renewal_due(self.last, quorum_id, self.lease_ms, now) {
+            let granted = lease(seq, quorum_id, self.lease_ms, self.offer.take());
+            if events.try_send(granted).is_ok() {
+                self.last = Some((now, quorum_id));
+            }
         }
+        true
+    }
+}
+
+/// What takes a heartbeat stream's beats, whichever way they came: on the stream, or
+/// as datagrams (`super::datagrams`, on a thread of their own).
+pub(crate) struct BeatSink {
+    shared: Arc<Shared>,
+    pulse: Arc<Pulse>,
+    replica_id: String,
+    /// Locked by one beat at a time; the stream's and its datagrams' beats seldom meet.
+    acks: Mutex<Acks>,
+}
+
+impl BeatSink {
+    fn acks(&self) -> MutexGuard<'_, Acks> {
+        self.acks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The hot path: no state lock, a few atomic operations and one ack; `by_datagram`:
+    /// the beat came as a datagram. False: the stream ends (the beat is malformed, the
+    /// group was evicted or the stream is gone).
+    pub(crate) fn take(&self, beat: &proto::Beat, by_datagram: bool) -> bool {
+        let now = Instant::now();
+        if validate::beat(beat).is_err() || !self.pulse.beat(now, beat.step, beat.last_quorum_id) {
+            return false;
+        }
+        self.shared.metrics.heartbeats.inc();
+        if !self
+            .acks()
+            .send(beat.seq, self.pulse.lease_quorum(), now, by_datagram)
+        {
+            return false;
+        }
+        if self.pulse.trained(now, beat) && self.shared.stall_overdue.load(Relaxed) {
+            self.shared.wake.notify_one();
+        }
+        self.shared.report(&self.replica_id, beat);
         true
     }
 }
 
 /// A heartbeat stream after its first beat.
 struct BeatTask {
-    shared: Arc<Shared>,
+    sink: Arc<BeatSink>,
     inbound: Inbound,
-    pulse: Arc<Pulse>,
-    replica_id: String,
     stream_id: u64,
-    acks: Acks,
+    /// The stream's datagram channel, if it was offered one; closed with the stream.
+    _channel: Option<Channel>,
     /// The stream's quorum request still waiting, if any; withdrawn with the stream.
     _asking: Option<AbortOnDropHandle<()>>,
 }
@@ -745,68 +812,65 @@ impl BeatTask {
         }
     }
 
-    /// The hot path: no lock, a few atomic operations and one ack. False: the stream
-    /// ends.
+    /// A beat on the stream. False: the stream ends.
     fn beat(&mut self, mut beat: proto::Beat) -> bool {
-        if validate::beat(&beat).is_err()
-            || !self
+        let sink = &self.sink;
+        let ask = beat.ask.take();
+        // An ask on its own (seq 0) is a sign of life that reports nothing else; its
+        // answer acknowledges it.
+        if beat.seq != 0 || ask.is_none() {
+            if !sink.take(&beat, false) {
+                return false;
+            }
+        } else if validate::beat(&beat).is_err()
+            || !sink
                 .pulse
                 .beat(Instant::now(), beat.step, beat.last_quorum_id)
         {
             return false;
         }
-        let ask = beat.ask.take();
-        // An ask on its own (seq 0) is a sign of life that reports nothing else; its
-        // answer acknowledges it.
-        if beat.seq != 0 || ask.is_none() {
-            self.shared.metrics.heartbeats.inc();
-            if !self
-                .acks
-                .send(beat.seq, self.pulse.lease_quorum(), Instant::now())
-            {
-                return false;
-            }
-            if self.pulse.trained(Instant::now(), &beat) && self.shared.stall_overdue.load(Relaxed)
-            {
-                self.shared.wake.notify_one();
-            }
-            self.shared.report(&self.replica_id, &beat);
-        }
         if let Some(ask) = ask {
-            self._asking = Some(self.shared.answer_ask(
-                &self.replica_id,
-                ask,
-                beat.last_quorum_id,
-                self.acks.events.clone(),
-            ));
+            let events = sink.acks().events.clone();
+            self._asking =
+                Some(
+                    sink.shared
+                        .answer_ask(&sink.replica_id, ask, beat.last_quorum_id, events),
+                );
         }
         true
     }
 
     /// The group's side closed or broke (it is dead), or it said it is leaving.
     fn closed(&self, cause: Eviction) {
-        let shared = &self.shared;
+        let shared = &self.sink.shared;
+        let replica_id = &self.sink.replica_id;
         let mut st = shared.lock();
         let now = Instant::now();
-        if let Some(cause) = st.close_stream(&self.replica_id, self.stream_id, cause, now) {
+        if let Some(cause) = st.close_stream(replica_id, self.stream_id, cause, now) {
             shared.evicted(cause);
             let what = match cause {
                 Eviction::Left => "replica group left: it ended its run",
                 _ => "heartbeat stream closed: replica group is dead",
             };
-            tracing::info!(replica_id = self.replica_id, "{what}");
+            tracing::info!(replica_id, "{what}");
         }
         shared.evaluate(&mut st, Instant::now());
     }
 }
 
 /// The acknowledgement of beat `seq` (see `proto::Lease`).
-fn lease(seq: u64, quorum_id: u64, lease_ms: u64) -> Result<proto::LighthouseEvent, Status> {
+fn lease(
+    seq: u64,
+    quorum_id: u64,
+    lease_ms: u64,
+    datagrams: Option<proto::DatagramOffer>,
+) -> Result<proto::LighthouseEvent, Status> {
     Ok(proto::LighthouseEvent {
         event: Some(proto::lighthouse_event::Event::Lease(proto::Lease {
             seq,
             quorum_id,
             lease_ms,
+            datagrams,
         })),
     })
 }

@@ -2,11 +2,13 @@
 //! both ends: the lighthouse's, for a connection its door let in that opened with the
 //! frames' preface, and the group's ([`open`]). The stream means what a gRPC
 //! `Lighthouse.Heartbeat` means, event for event; only the bytes around the messages
-//! differ (see `frames` for why).
+//! differ (see `frames` for why). On the group's side, its beats go as UDP datagrams
+//! beside the stream once the lighthouse offers them (`crate::datagram`).
 
 use std::io;
-use std::sync::Arc;
-use std::time::Duration;
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use prost::Message;
@@ -22,6 +24,7 @@ use super::access;
 use super::jobs::JobRequest;
 use super::service::{Events, Inbound, Site};
 use crate::auth::JobToken;
+use crate::datagram::{DatagramBeat, Fallback, Key, Sealer};
 use crate::door::Guarded;
 use crate::frames::{self, FrameError, Frames, PREFACE};
 use crate::gate::Refusal;
@@ -211,18 +214,23 @@ fn ended(end: proto::StreamEnd) -> Option<Status> {
 }
 
 /// How a group's heartbeat stream reaches the lighthouse: in frames on a connection
-/// of its own (the default: a beat costs the lighthouse a read and a decode), or as a
-/// gRPC stream (`Lighthouse.Heartbeat`, HTTP/2: what a proxy that passes only gRPC
-/// lets through, and the yardstick of `benches/heartbeat_capacity.py`).
+/// of its own, its beats as UDP datagrams beside it when the lighthouse offers them
+/// (the default: a beat costs the lighthouse a share of one batched read, see
+/// `crate::datagram`); in frames alone (a beat costs a read and a decode, and the
+/// kernel a segment and its ACK); or as a gRPC stream (`Lighthouse.Heartbeat`,
+/// HTTP/2: what a proxy that passes only gRPC lets through, and the yardstick of
+/// `benches/heartbeat_capacity.py`).
 ///
 /// ```
 /// use phalanx::lighthouse::wire::BeatTransport;
 /// assert_eq!("grpc".parse::<BeatTransport>(), Ok(BeatTransport::Grpc));
-/// assert!("udp".parse::<BeatTransport>().unwrap_err().contains("framed"));
+/// assert_eq!(BeatTransport::default(), BeatTransport::Datagrams);
+/// assert!("udp".parse::<BeatTransport>().unwrap_err().contains("datagrams"));
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BeatTransport {
     #[default]
+    Datagrams,
     Framed,
     Grpc,
 }
@@ -232,10 +240,11 @@ impl std::str::FromStr for BeatTransport {
 
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
+            "datagrams" => Ok(BeatTransport::Datagrams),
             "framed" => Ok(BeatTransport::Framed),
             "grpc" => Ok(BeatTransport::Grpc),
             _ => Err(format!(
-                "{s:?} is no heartbeat transport: give \"framed\" or \"grpc\""
+                "{s:?} is no heartbeat transport: give \"datagrams\", \"framed\" or \"grpc\""
             )),
         }
     }
@@ -250,6 +259,8 @@ enum Stream {
         reader: FrameReader<OwnedReadHalf>,
         /// The first event, read while opening.
         first: Option<proto::LighthouseEvent>,
+        /// Where beats go as datagrams, once the lighthouse offered them.
+        datagrams: Arc<OnceLock<DatagramPath>>,
         _beats: AbortOnDropHandle<()>,
     },
     Grpc(tonic::Streaming<proto::LighthouseEvent>),
@@ -268,9 +279,14 @@ impl BeatEvents {
 
     /// The next event; None once the lighthouse ended the stream in order.
     pub async fn message(&mut self) -> Result<Option<proto::LighthouseEvent>, Status> {
-        let (reader, first) = match &mut self.0 {
+        let (reader, first, datagrams) = match &mut self.0 {
             Stream::Grpc(events) => return events.message().await,
-            Stream::Framed { reader, first, .. } => (reader, first),
+            Stream::Framed {
+                reader,
+                first,
+                datagrams,
+                ..
+            } => (reader, first, datagrams),
         };
         if let Some(first) = first.take() {
             return Ok(Some(first));
@@ -279,6 +295,16 @@ impl BeatEvents {
             Some(proto::LighthouseEvent {
                 event: Some(Event::End(end)),
             }) => ended(end).map_or(Ok(None), Err),
+            Some(proto::LighthouseEvent {
+                event: Some(Event::Lease(lease)),
+            }) => {
+                if let Some(path) = datagrams.get() {
+                    path.fallback().leased(Instant::now(), lease.seq);
+                }
+                Ok(Some(proto::LighthouseEvent {
+                    event: Some(Event::Lease(lease)),
+                }))
+            }
             Some(event) => Ok(Some(event)),
             None => Err(Status::unavailable(
                 "the lighthouse closed the heartbeat connection",
@@ -287,15 +313,96 @@ impl BeatEvents {
     }
 }
 
+/// Where a stream's beats go as datagrams, and whether they still do.
+struct DatagramPath {
+    socket: &'static UdpSocket,
+    lighthouse: SocketAddr,
+    channel: u64,
+    sealer: Sealer,
+    fallback: Mutex<Fallback>,
+}
+
+impl DatagramPath {
+    /// The path `offer` opens to the lighthouse at `lighthouse`; None if the offer is
+    /// malformed or no UDP socket can be had (the beats stay on the stream).
+    fn offered(
+        offer: &proto::DatagramOffer,
+        lease: Duration,
+        lighthouse: SocketAddr,
+    ) -> Option<Self> {
+        let key: Key = offer.key[..].try_into().ok()?;
+        Some(DatagramPath {
+            socket: sending_socket(lighthouse.is_ipv6())?,
+            lighthouse,
+            channel: offer.channel,
+            sealer: Sealer::new(&key),
+            fallback: Mutex::new(Fallback::new(Instant::now(), lease)),
+        })
+    }
+
+    fn fallback(&self) -> std::sync::MutexGuard<'_, Fallback> {
+        self.fallback.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends `beat` as a datagram if it may go as one; false: it goes on the stream.
+    fn send(&self, beat: &proto::Beat) -> bool {
+        let Some(datagram) = DatagramBeat::of(self.channel, beat) else {
+            return false;
+        };
+        let mut fallback = self.fallback();
+        let was_given_up = fallback.given_up();
+        if !fallback.by_datagram(Instant::now(), datagram.seq) {
+            if !was_given_up {
+                tracing::warn!(
+                    "no lease came for the heartbeat datagrams sent to {} for {:.1} s: \
+                     beating on the stream instead, and trying a datagram every {} beats \
+                     (does a firewall drop UDP to the lighthouse's port?)",
+                    self.lighthouse,
+                    fallback.silence().as_secs_f64(),
+                    Fallback::PROBE_EVERY
+                );
+            }
+            return false;
+        }
+        drop(fallback);
+        // A full socket buffer or an unreachable port: this beat goes on the stream,
+        // and lost ones count towards falling back.
+        self.socket
+            .send_to(&self.sealer.seal(&datagram), self.lighthouse)
+            .is_ok()
+    }
+}
+
+/// The process's one socket for sending beats as datagrams, of each address family:
+/// a socket each would double a stream's file descriptors (a load generator of
+/// 10,000 groups in one process runs out), and it never reads.
+fn sending_socket(v6: bool) -> Option<&'static UdpSocket> {
+    static V4: OnceLock<Option<UdpSocket>> = OnceLock::new();
+    static V6: OnceLock<Option<UdpSocket>> = OnceLock::new();
+    let (cell, any): (_, SocketAddr) = if v6 {
+        (&V6, (std::net::Ipv6Addr::UNSPECIFIED, 0).into())
+    } else {
+        (&V4, ([0, 0, 0, 0], 0).into())
+    };
+    cell.get_or_init(|| {
+        let socket = UdpSocket::bind(any).ok()?;
+        socket.set_nonblocking(true).ok()?;
+        Some(socket)
+    })
+    .as_ref()
+}
+
 /// Opens a framed heartbeat stream to the lighthouse at `address` ("host:port"),
 /// saying `hello`; its beats are sent from `beats` (the first, which names the group,
-/// queued already). Returns once the lighthouse took the stream (its first event, the
-/// first beat's lease, came) or refused it (the error it gave, as a gRPC call's).
+/// queued already), as datagrams once the lighthouse offers them if `datagrams`.
+/// Returns once the lighthouse took the stream (its first event, the first beat's
+/// lease, came) or refused it (the error it gave, as a gRPC call's).
 pub(crate) async fn open(
     address: &str,
     hello: &proto::BeatOpen,
     beats: mpsc::Receiver<proto::Beat>,
     connect_timeout: Duration,
+    datagrams: bool,
 ) -> Result<BeatEvents, Error> {
     let unreachable = |detail: String| Error::Connect {
         what: "lighthouse",
@@ -313,6 +420,7 @@ pub(crate) async fn open(
     };
     // Beats and leases are small and must not wait for a delayed ACK.
     let _ = stream.set_nodelay(true);
+    let lighthouse = stream.peer_addr().ok();
     let (read, mut write) = stream.into_split();
     let mut out = BytesMut::from(&PREFACE[..]);
     frames::encode(hello, &mut out);
@@ -321,14 +429,28 @@ pub(crate) async fn open(
         .await
         .map_err(|e| unreachable(e.to_string()))?;
     let reader = FrameReader::new(read, MAX_RESPONSE_BYTES);
-    let sending = AbortOnDropHandle::new(tokio::spawn(send_beats(beats, write)));
+    let path = Arc::new(OnceLock::new());
+    let sending = AbortOnDropHandle::new(tokio::spawn(send_beats(beats, write, path.clone())));
     let mut events = BeatEvents(Stream::Framed {
         reader,
         first: None,
+        datagrams: path.clone(),
         _beats: sending,
     });
     match events.message().await {
         Ok(Some(event)) => {
+            let offer = match &event.event {
+                Some(Event::Lease(lease)) => lease
+                    .datagrams
+                    .as_ref()
+                    .map(|offer| (offer, Duration::from_millis(lease.lease_ms))),
+                _ => None,
+            };
+            if let (true, Some((offer, lease)), Some(lighthouse)) = (datagrams, offer, lighthouse) {
+                if let Some(offered) = DatagramPath::offered(offer, lease, lighthouse) {
+                    let _ = path.set(offered);
+                }
+            }
             if let Stream::Framed { first, .. } = &mut events.0 {
                 *first = Some(event);
             }
@@ -341,15 +463,28 @@ pub(crate) async fn open(
     }
 }
 
-/// Sends `beats` in frames, every beat waiting at once in one write, until they end:
-/// then the connection's sending side closes, which the lighthouse reads as the end
-/// of the stream.
-async fn send_beats(mut beats: mpsc::Receiver<proto::Beat>, mut write: OwnedWriteHalf) {
+/// Sends `beats` until they end, each as a datagram on `datagrams` once there is one
+/// and it may go so, else in frames, every beat waiting at once in one write; then
+/// the connection's sending side closes, which the lighthouse reads as the end of
+/// the stream.
+async fn send_beats(
+    mut beats: mpsc::Receiver<proto::Beat>,
+    mut write: OwnedWriteHalf,
+    datagrams: Arc<OnceLock<DatagramPath>>,
+) {
     let mut out = BytesMut::new();
+    let on_stream = |beat: &proto::Beat| datagrams.get().is_none_or(|path| !path.send(beat));
     while let Some(beat) = beats.recv().await {
-        frames::encode(&beat, &mut out);
-        while let Ok(beat) = beats.try_recv() {
+        if on_stream(&beat) {
             frames::encode(&beat, &mut out);
+        }
+        while let Ok(beat) = beats.try_recv() {
+            if on_stream(&beat) {
+                frames::encode(&beat, &mut out);
+            }
+        }
+        if out.is_empty() {
+            continue;
         }
         if write.write_all(&out).await.is_err() {
             return;

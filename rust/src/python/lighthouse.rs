@@ -28,7 +28,7 @@ pub struct LighthouseServer {
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None, max_jobs = None, forget_jobs_after = None))]
+    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None, max_jobs = None, forget_jobs_after = None, datagrams = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -45,6 +45,7 @@ impl LighthouseServer {
         max_groups: Option<i64>,
         max_jobs: Option<i64>,
         forget_jobs_after: Option<f64>,
+        datagrams: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
         let defaults = Tuning::DEFAULT;
         let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
@@ -74,6 +75,7 @@ impl LighthouseServer {
                         seconds("forget_jobs_after", s)
                     })?,
             },
+            datagrams,
         };
         let handle = wait(py, lighthouse::serve_in_set(options, set))?;
         let addr = handle.local_addr();

@@ -1,0 +1,262 @@
+//! The lighthouse's side of beats as UDP datagrams (`crate::datagram`): the channels
+//! it offers its framed streams, and a thread that reads datagrams in batches
+//! (`recvmmsg`) and gives each to its stream's `BeatSink`, as the stream's own task
+//! would. Nothing but the beat is done on this thread; leases still go out on the
+//! stream.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use tokio::sync::watch;
+
+use super::metrics::SiteMetrics;
+use super::service::BeatSink;
+use crate::datagram::{self, Dropped, Key, Sealer, Sequence};
+use crate::proto;
+
+/// Datagrams read by one `recvmmsg` at most: more than `GATHER` of 10,000 groups'
+/// beats at 10 Hz.
+const BATCH: usize = 256;
+
+/// How long the thread lets datagrams gather after a read that did not fill a batch.
+/// Read as they come, 30,000 beats a second cost a wakeup each (3,000 groups: 7.9 µs
+/// of lighthouse CPU per beat, of which the wakeups took the most); a millisecond's
+/// wait makes it at most a thousand wakeups a second, and delays a beat by that much
+/// against timeouts of a second or more.
+const GATHER: Duration = Duration::from_millis(1);
+
+/// Room for one datagram: more than a beat's, so that a longer one shows its length.
+const SLOT: usize = 2 * datagram::LEN;
+
+/// How long a read waits before the thread looks whether the lighthouse stopped.
+const LOOK_EVERY: Duration = Duration::from_millis(100);
+
+/// The kernel's queue of datagrams not read yet: 10,000 groups' beats that arrive
+/// together while the thread is busy must not overflow it.
+const RECEIVE_BUFFER: libc::c_int = 8 << 20;
+
+/// The channels of the open framed streams, by id.
+pub(crate) struct Channels {
+    open: Mutex<HashMap<u64, Arc<Open>>>,
+    next: AtomicU64,
+    taken: Counter,
+    dropped: Family<Vec<(&'static str, &'static str)>, Counter>,
+}
+
+/// An open stream's channel: its key, the sequence numbers it took, and what takes its
+/// beats.
+struct Open {
+    sealer: Sealer,
+    sequence: Mutex<Sequence>,
+    sink: Arc<BeatSink>,
+}
+
+/// A stream's hold on its channel: the channel closes when the stream ends, and its
+/// datagrams are unknown from then on.
+pub(crate) struct Channel {
+    channels: Arc<Channels>,
+    id: u64,
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.channels.lock().remove(&self.id);
+    }
+}
+
+impl Channels {
+    pub(crate) fn new(metrics: &SiteMetrics) -> Arc<Self> {
+        Arc::new(Channels {
+            open: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+            taken: metrics.datagram_beats.clone(),
+            dropped: metrics.datagrams_dropped.clone(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Arc<Open>>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens a channel for the stream whose beats `sink` takes: the offer goes to the
+    /// group with the stream's first lease.
+    pub(crate) fn open(self: &Arc<Self>, sink: Arc<BeatSink>) -> (Channel, proto::DatagramOffer) {
+        let id = self.next.fetch_add(1, Relaxed);
+        let key = random_key();
+        let open = Open {
+            sealer: Sealer::new(&key),
+            sequence: Mutex::new(Sequence::default()),
+            sink,
+        };
+        self.lock().insert(id, Arc::new(open));
+        let offer = proto::DatagramOffer {
+            channel: id,
+            key: key.to_vec(),
+        };
+        let channel = Channel {
+            channels: self.clone(),
+            id,
+        };
+        (channel, offer)
+    }
+
+    /// Takes one datagram, or counts why not.
+    fn receive(&self, bytes: &[u8]) {
+        match self.take(bytes) {
+            Ok(()) => {
+                self.taken.inc();
+            }
+            Err(why) => {
+                self.dropped
+                    .get_or_create(&vec![("reason", why.as_str())])
+                    .inc();
+            }
+        }
+    }
+
+    fn take(&self, bytes: &[u8]) -> Result<(), Dropped> {
+        let id = datagram::channel_of(bytes)?;
+        let open = self.lock().get(&id).cloned().ok_or(Dropped::Unknown)?;
+        let beat = open.sealer.open(bytes)?;
+        let grows = open
+            .sequence
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(beat.seq);
+        if !grows {
+            return Err(Dropped::Replayed);
+        }
+        // A beat the stream refuses (the group was evicted, its stream is ending) ends
+        // nothing here: the stream's task ends it.
+        open.sink.take(&beat.to_beat(), true);
+        Ok(())
+    }
+}
+
+/// 16 bytes from the kernel's random source.
+fn random_key() -> Key {
+    let mut key = Key::default();
+    let mut filled = 0;
+    while filled < key.len() {
+        // SAFETY: the pointer and length name the unfilled rest of `key`, which
+        // outlives the call.
+        let n =
+            unsafe { libc::getrandom(key[filled..].as_mut_ptr().cast(), key.len() - filled, 0) };
+        if n > 0 {
+            filled += n as usize;
+        } else {
+            let e = io::Error::last_os_error();
+            assert!(
+                e.kind() == io::ErrorKind::Interrupted,
+                "the kernel's random source failed: {e}"
+            );
+        }
+    }
+    key
+}
+
+/// A UDP socket on the lighthouse's own address and port number, its reads bounded
+/// by `LOOK_EVERY` and its queue large.
+pub(crate) fn bind(at: SocketAddr) -> io::Result<UdpSocket> {
+    let socket = UdpSocket::bind(at)?;
+    socket.set_read_timeout(Some(LOOK_EVERY))?;
+    let fd = socket.as_raw_fd();
+    let size = RECEIVE_BUFFER;
+    for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
+        // SAFETY: `size` is a c_int that lives across the call, and its length is
+        // given; `fd` is the socket's, open while `socket` lives.
+        let set = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                option,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        // Without privilege the forced size is refused; the plain one is capped by
+        // net.core.rmem_max.
+        if set == 0 {
+            break;
+        }
+    }
+    Ok(socket)
+}
+
+/// Reads `socket` on a thread of its own until `shutdown` says the lighthouse stops
+/// (or its sender is gone), giving each datagram to `channels`.
+pub(crate) fn spawn_reader(
+    socket: UdpSocket,
+    channels: Arc<Channels>,
+    shutdown: watch::Receiver<bool>,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("lighthouse-datagrams".into())
+        .spawn(move || read(&socket, &channels, &shutdown))
+}
+
+fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool>) {
+    let mut slots = vec![[0u8; SLOT]; BATCH];
+    let mut iovecs: Vec<libc::iovec> = slots
+        .iter_mut()
+        .map(|slot| libc::iovec {
+            iov_base: slot.as_mut_ptr().cast(),
+            iov_len: SLOT,
+        })
+        .collect();
+    let mut messages: Vec<libc::mmsghdr> = iovecs
+        .iter_mut()
+        .map(|iovec| {
+            // SAFETY: mmsghdr is plain data; all zeros is an empty header.
+            let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+            m.msg_hdr.msg_iov = iovec;
+            m.msg_hdr.msg_iovlen = 1;
+            m
+        })
+        .collect();
+    let fd = socket.as_raw_fd();
+    while shutdown.has_changed().is_ok() && !*shutdown.borrow() {
+        // SAFETY: every header points at one iovec of `iovecs`, each at a slot of
+        // `slots`, SLOT bytes long; all live across the call and nothing else
+        // touches them meanwhile. MSG_WAITFORONE: wait for the first datagram only,
+        // then take what else is queued.
+        let n = unsafe {
+            libc::recvmmsg(
+                fd,
+                messages.as_mut_ptr(),
+                BATCH as libc::c_uint,
+                libc::MSG_WAITFORONE,
+                std::ptr::null_mut(),
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::WouldBlock
+                | io::ErrorKind::TimedOut
+                | io::ErrorKind::Interrupted => {}
+                _ => {
+                    tracing::warn!("reading heartbeat datagrams failed: {e}");
+                    std::thread::sleep(LOOK_EVERY);
+                }
+            }
+            continue;
+        }
+        for (message, slot) in messages.iter().zip(&slots).take(n as usize) {
+            // A datagram longer than a slot was cut to it: its length is then no
+            // beat's either.
+            let len = (message.msg_len as usize).min(SLOT);
+            channels.receive(&slot[..len]);
+        }
+        if (n as usize) < BATCH {
+            std::thread::sleep(GATHER);
+        }
+    }
+}
