@@ -535,8 +535,19 @@ async fn a_group_that_lost_its_lease_does_not_commit_though_every_rank_votes_yes
         .expect("vote"));
 
     // Without the lighthouse nobody vouches that the group still counts in the
-    // quorum: its peers may have gone on without it, so it must not commit.
+    // quorum: its peers may have gone on without it, so once the group knows its
+    // stream (and with it the lease) ended, it must not commit. (Until it knows, a
+    // lease it still holds may commit: nobody formed a quorum without it meanwhile.)
+    let mut events = bounded("subscribe", PATIENCE, c.events(CALL_TIMEOUT))
+        .await
+        .expect("events stream");
     lighthouse.shutdown().await;
+    let event = bounded("lease lost", PATIENCE, events.message())
+        .await
+        .expect("events stream healthy")
+        .expect("events stream open");
+    let lost = event.membership_lost.expect("a membership loss");
+    assert_eq!(lost.cause, "lighthouse_lost");
     let voted = Instant::now();
     let short = Duration::from_millis(700);
     let committed = answer("vote", vote(&c, 0, 1, true, short))
