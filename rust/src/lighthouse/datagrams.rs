@@ -16,8 +16,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tokio::sync::watch;
 
+use super::beats::BeatSink;
 use super::metrics::SiteMetrics;
-use super::service::BeatSink;
 use crate::datagram::{self, Dropped, Key, Sealer, Sequence};
 use crate::proto;
 
