@@ -314,6 +314,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn every_drop_reason_indexes_its_place_in_all() {
+        // The lighthouse keeps a counter per reason in `ALL`'s order, found by `as usize`.
+        for (i, why) in Dropped::ALL.into_iter().enumerate() {
+            assert_eq!(why as usize, i, "{why:?}");
+        }
+    }
+
     const KEY: Key = *b"0123456789abcdef";
 
     fn beat() -> impl Strategy<Value = DatagramBeat> {

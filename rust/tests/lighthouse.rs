@@ -224,6 +224,14 @@ fn known(status: &proto::StatusResponse, id: &str) -> bool {
     status.replicas.iter().any(|r| r.replica_id == id)
 }
 
+/// Whether group `id` is known and its heartbeat stream open.
+fn connected(status: &proto::StatusResponse, id: &str) -> bool {
+    status
+        .replicas
+        .iter()
+        .any(|r| r.replica_id == id && r.connected)
+}
+
 /// One HTTP/1.1 GET over a plain TCP stream: (status code, body).
 async fn http_get(addr: SocketAddr, path: &str, authorization: Option<&str>) -> (u16, String) {
     bounded("HTTP GET", PATIENCE, async {
@@ -984,13 +992,21 @@ const TIGHT: GateLimits = GateLimits {
 };
 
 async fn refused(addr: SocketAddr, token: &str, reason: &str) -> u64 {
-    let (code, metrics) = http_get(addr, "/metrics", Some(&format!("Bearer {token}"))).await;
+    let series = format!("phalanx_lighthouse_refused_requests_total{{reason=\"{reason}\"}}");
+    metric(addr, Some(token), &series).await
+}
+
+/// The count `series` (its name and labels, as exported) from /metrics, read with
+/// `token` if the lighthouse has one.
+async fn metric(addr: SocketAddr, token: Option<&str>, series: &str) -> u64 {
+    let bearer = token.map(|t| format!("Bearer {t}"));
+    let (code, metrics) = http_get(addr, "/metrics", bearer.as_deref()).await;
     assert_eq!(code, 200, "{metrics}");
-    let line = format!("phalanx_lighthouse_refused_requests_total{{reason=\"{reason}\"}} ");
+    let line = format!("{series} ");
     metrics
         .lines()
         .find_map(|l| l.strip_prefix(&line))
-        .unwrap_or_else(|| panic!("no {reason} refusals exported:\n{metrics}"))
+        .unwrap_or_else(|| panic!("no {series} exported:\n{metrics}"))
         .parse()
         .expect("a count")
 }

@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use tokio::sync::watch;
 
 use super::beats::BeatSink;
@@ -47,7 +46,9 @@ pub(crate) struct Channels {
     open: Mutex<HashMap<u64, Arc<Open>>>,
     next: AtomicU64,
     taken: Counter,
-    dropped: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// `datagrams_dropped`, one counter per `Dropped` (in `Dropped::ALL`'s order), found
+    /// once: a flood of stray datagrams costs no lookup each.
+    dropped: [Counter; Dropped::ALL.len()],
 }
 
 /// An open stream's channel: its key, the sequence numbers it took, and what takes its
@@ -77,7 +78,12 @@ impl Channels {
             open: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             taken: metrics.datagram_beats.clone(),
-            dropped: metrics.datagrams_dropped.clone(),
+            dropped: Dropped::ALL.map(|why| {
+                metrics
+                    .datagrams_dropped
+                    .get_or_create(&vec![("reason", why.as_str())])
+                    .clone()
+            }),
         })
     }
 
@@ -114,9 +120,7 @@ impl Channels {
                 self.taken.inc();
             }
             Err(why) => {
-                self.dropped
-                    .get_or_create(&vec![("reason", why.as_str())])
-                    .inc();
+                self.dropped[why as usize].inc();
             }
         }
     }

@@ -26,19 +26,6 @@ fn keep_beating_plain(beats: mpsc::Sender<proto::Beat>) -> JoinHandle<()> {
     })
 }
 
-/// A lighthouse series from /metrics (no token).
-async fn metric(addr: SocketAddr, series: &str) -> u64 {
-    let (code, metrics) = http_get(addr, "/metrics", None).await;
-    assert_eq!(code, 200, "{metrics}");
-    let line = format!("{series} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&line))
-        .unwrap_or_else(|| panic!("no {series} exported:\n{metrics}"))
-        .parse()
-        .expect("a count")
-}
-
 fn dropped(reason: &str) -> String {
     format!("phalanx_lighthouse_datagrams_dropped_total{{reason=\"{reason}\"}}")
 }
@@ -105,8 +92,8 @@ async fn beats_as_datagrams_keep_groups_live_and_leased_and_a_closed_stream_is_t
         assert_eq!(leased, id);
         groups.push((client, beating, events));
     }
-    let taken = metric(addr, TAKEN).await;
-    let beats = metric(addr, "phalanx_lighthouse_heartbeats_total").await;
+    let taken = metric(addr, None, TAKEN).await;
+    let beats = metric(addr, None, "phalanx_lighthouse_heartbeats_total").await;
     // The streams carried their first beats, and a few more only if a busy machine
     // held a lease back long enough for a group to fall back for a while.
     assert!(taken >= 3 * 25, "{taken} datagrams taken");
@@ -187,9 +174,9 @@ async fn garbage_unknown_forged_and_replayed_datagrams_are_dropped_and_counted()
     let counts = || async {
         let mut counts = Vec::new();
         for reason in ["garbage", "unknown_channel", "forged", "replayed"] {
-            counts.push(metric(addr, &dropped(reason)).await);
+            counts.push(metric(addr, None, &dropped(reason)).await);
         }
-        counts.push(metric(addr, TAKEN).await);
+        counts.push(metric(addr, None, TAKEN).await);
         counts
     };
     let until = |want: [u64; 5]| async move {
@@ -225,13 +212,7 @@ async fn garbage_unknown_forged_and_replayed_datagrams_are_dropped_and_counted()
     udp.send(&sealed(channel, &key, 6)).await.unwrap();
     until([2, 1, 2, 2, 2]).await;
     let status = status_rpc(&client(addr)).await;
-    assert!(
-        status
-            .replicas
-            .iter()
-            .any(|r| r.replica_id == "g" && r.connected),
-        "{status:?}"
-    );
+    assert!(connected(&status, "g"), "{status:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,7 +234,7 @@ async fn a_closed_streams_channel_takes_no_more_datagrams() {
         .await
         .unwrap();
     eventually("the datagram dropped", PATIENCE, || async {
-        metric(addr, &dropped("unknown_channel")).await == 1
+        metric(addr, None, &dropped("unknown_channel")).await == 1
     })
     .await;
     assert!(!known(&status_rpc(&client(addr)).await, "g"));
@@ -301,18 +282,13 @@ async fn a_group_whose_datagrams_are_lost_falls_back_to_its_stream_stays_live_an
         (3..=8).contains(&tried),
         "{tried} datagrams tried before falling back and since"
     );
-    assert_eq!(metric(addr, TAKEN).await, 0);
+    assert_eq!(metric(addr, None, TAKEN).await, 0);
     let status = status_rpc(&client).await;
-    assert!(
-        status
-            .replicas
-            .iter()
-            .any(|r| r.replica_id == "g" && r.connected),
-        "{status:?}"
-    );
+    assert!(connected(&status, "g"), "{status:?}");
     assert_eq!(
         metric(
             addr,
+            None,
             "phalanx_lighthouse_evictions_total{cause=\"heartbeat_timeout\"}"
         )
         .await,
@@ -330,7 +306,7 @@ async fn a_group_whose_datagrams_are_lost_falls_back_to_its_stream_stays_live_an
     });
     let reading = tokio::spawn(async move { while let Ok(Some(_)) = events.message().await {} });
     eventually("beats as datagrams again", PATIENCE, || async {
-        metric(addr, TAKEN).await >= 10
+        metric(addr, None, TAKEN).await >= 10
     })
     .await;
     beating.abort();
@@ -368,7 +344,7 @@ async fn a_lighthouse_without_datagrams_offers_none_and_takes_beats_on_the_strea
     );
     let beating = keep_beating_plain(hb.beats);
     leased_from(&mut events, 30, false).await;
-    assert_eq!(metric(addr, TAKEN).await, 0);
+    assert_eq!(metric(addr, None, TAKEN).await, 0);
     beating.abort();
     handle.shutdown().await;
 }
