@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -116,6 +117,30 @@ def test_the_cross_group_process_group_is_retired_at_shutdown():
     RankServices(None, None, None, None, host, pg).shutdown()
     assert built[0].wait_aborted() == 1
     assert pg.membership is None
+
+
+def test_nccl_groups_across_replica_groups_abort_rather_than_kill(monkeypatch):
+    """torch's NCCL watchdog would tear a survivor down on a lost peer's failed
+    collective (its default, 3); phalanx builds its groups with 2, unless the user
+    chose a value, which is kept."""
+    seen = []
+
+    class StandInNccl:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, size, options):
+            seen.append(os.environ.get(process_group.NCCL_ERROR_HANDLING))
+
+    monkeypatch.setattr(process_group, "Store", lambda *_, **__: object())
+    monkeypatch.setattr(process_group.dist, "PrefixStore", lambda _, store: store)
+    monkeypatch.setattr(process_group.dist, "ProcessGroupNCCL", StandInNccl, raising=False)
+    monkeypatch.delenv(process_group.NCCL_ERROR_HANDLING, raising=False)
+    process_group._connect(MEMBERSHIP, "nccl", timedelta(seconds=1))
+    assert process_group.NCCL_ERROR_HANDLING not in os.environ  # only while building
+    monkeypatch.setenv(process_group.NCCL_ERROR_HANDLING, "3")
+    process_group._connect(MEMBERSHIP, "nccl", timedelta(seconds=1))
+    assert seen == ["2", "3"]
+    assert os.environ[process_group.NCCL_ERROR_HANDLING] == "3"
 
 
 def test_a_gloo_group_is_not_aborted():
