@@ -48,6 +48,12 @@ def test_copies_through_the_block_keep_every_byte():
     assert all(torch.equal(a, h) for a, h in zip(targets, host, strict=True))
 
 
-def test_an_empty_state_needs_no_block():
-    assert host_views([], pin=False) == []
+def test_a_state_without_gpu_tensors_takes_no_block(monkeypatch):
+    # Pinning would start a CUDA context on a machine with a GPU: a CPU state's
+    # transfer must not take one.
+    def no_block(*args, **kwargs):
+        raise AssertionError("a block was taken")
+
+    monkeypatch.setattr(torch, "empty", no_block)
+    assert host_views([], pin=True) == []
     assert to_host([]) == []

@@ -38,6 +38,8 @@ def host_views(
 ) -> list[torch.Tensor]:
     """A host tensor of each (dtype, shape), all cut from one block of memory, pinned
     (`pin`; default: where CUDA is available) for copies to and from a GPU."""
+    if not specs:
+        return []  # no block, and no CUDA context for a state without GPU tensors
     if pin is None:
         pin = torch.cuda.is_available()
     offsets, total = [], 0
