@@ -53,7 +53,14 @@ def run_worker(args: argparse.Namespace) -> None:
     else:
         import phalanx
 
-        manager = phalanx.Manager(replica_id=f"g{args.rank}", lighthouse=args.lighthouse)
+        # Each round a job of its own on the one lighthouse: a round's groups start at
+        # step 0, which in the job of the round before would be a rollback.
+        manager = phalanx.Manager(
+            replica_id=f"g{args.rank}",
+            lighthouse=args.lighthouse,
+            job=args.job,
+            job_rules=f"min_replicas={args.groups}",
+        )
         ddp = phalanx.DistributedDataParallel(model, manager)
         optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.01))
 
@@ -75,7 +82,7 @@ class Sample(NamedTuple):
     cpu_ms: float
 
 
-def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample:
+def measure(mode: str, args: argparse.Namespace, lighthouse: str = "", job: str = "") -> Sample:
     port = free_port()
     procs = [
         start_worker(
@@ -84,6 +91,7 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "") -> Sample
             rank=rank,
             port=port,
             lighthouse=lighthouse,
+            job=job,
             **passed_on(args, "steps", "warmup", "width", "groups"),
         )
         for rank in range(args.groups)
@@ -107,6 +115,7 @@ def main() -> None:
         "--groups", type=int, default=2, help="replica groups (torch: ranks of one world)"
     )
     parser.add_argument("--quick", action="store_true", help="a few steps, one round")
+    parser.add_argument("--job", default="", help=argparse.SUPPRESS)
     add_worker_arguments(parser)
     args = parser.parse_args()
     if args.groups < 2:
@@ -119,9 +128,9 @@ def main() -> None:
 
     # Interleaved, so that a machine busy for a while weighs on both sides alike.
     rounds = []
-    with lighthouse_process("--min-replicas", str(args.groups)) as (address, _):
-        for _ in range(args.rounds):
-            rounds.append((measure("torch", args), measure("phalanx", args, address)))
+    with lighthouse_process() as (address, _):
+        for n in range(args.rounds):
+            rounds.append((measure("torch", args), measure("phalanx", args, address, f"round{n}")))
     step_ratios = [ours.step_ms / base.step_ms for base, ours in rounds]
     cpu_ratios = [ours.cpu_ms / base.cpu_ms for base, ours in rounds]
     median = statistics.median
