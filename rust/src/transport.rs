@@ -79,7 +79,32 @@ pub(crate) async fn call<T>(
     timeout: Duration,
     fut: impl Future<Output = Result<tonic::Response<T>, Status>>,
 ) -> Result<T, Error> {
-    answer(what, address, timeout, within(timeout, fut).await)
+    answer(what, address, timeout, answered(timeout, fut).await)
+}
+
+/// What a call answered by its deadline; None: nothing came. Tonic ends the call at
+/// the same instant, the request's own timeout (`with_timeout`), with
+/// `TimeoutExpired`: which of the two timers fires first is chance (a loaded machine
+/// lets tonic's win half the time), and both mean the server said nothing.
+pub(crate) async fn answered<T>(
+    timeout: Duration,
+    fut: impl Future<Output = Result<tonic::Response<T>, Status>>,
+) -> Option<Result<tonic::Response<T>, Status>> {
+    within(timeout, fut)
+        .await
+        .filter(|answer| !answer.as_ref().is_err_and(expired))
+}
+
+/// Whether tonic ended the call at its timeout (no status came from the server).
+fn expired(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(s) = source {
+        if s.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// What `fut` answered by its deadline (the caller's timeout and the grace); None:
@@ -134,4 +159,32 @@ pub(crate) fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T
 
 pub(crate) fn timeout_ms(timeout: Duration) -> u64 {
     timeout.as_millis().clamp(1, u64::MAX as u128) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tonics_own_timeout_of_a_call_is_silence_a_status_from_the_server_is_not() {
+        let expired_here = Status::from_error(Box::new(tonic::TimeoutExpired(())));
+        assert!(expired(&expired_here));
+        assert!(!expired(&Status::deadline_exceeded(
+            "the server's own too late"
+        )));
+        let reset = Status::from_error(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        assert!(!expired(&reset));
+    }
+
+    #[tokio::test]
+    async fn a_call_tonic_ended_at_its_timeout_answered_nothing() {
+        let timed_out = async {
+            Err::<tonic::Response<()>, _>(Status::from_error(Box::new(tonic::TimeoutExpired(()))))
+        };
+        assert!(answered(Duration::from_secs(1), timed_out).await.is_none());
+        let refused = async { Err::<tonic::Response<()>, _>(Status::unavailable("not serving")) };
+        assert!(answered(Duration::from_secs(1), refused).await.is_some());
+    }
 }
