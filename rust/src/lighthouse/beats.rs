@@ -1,7 +1,8 @@
 //! A heartbeat stream's beats, whichever way they come: on the stream (`BeatTask`,
 //! a task per stream) or as datagrams (`super::datagrams`, one thread for all), each
-//! taken by the stream's `BeatSink`: the group's pulse, a lease back on the stream
-//! now and then, and what the beat reports.
+//! taken by the stream's `BeatSink`: the group's pulse, a lease back now and then (a
+//! datagram's renewal as a datagram, every other on the stream), and what the beat
+//! reports.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -50,32 +51,50 @@ pub(super) struct Acks {
     pub(super) by_datagram: bool,
 }
 
+/// The stream ended: its events are gone, the beat was malformed, or the group was
+/// evicted.
+#[derive(Debug)]
+pub(crate) struct Ended;
+
 impl Acks {
     /// Acknowledges beat `seq` (a datagram if `by_datagram`) with a lease of
     /// `quorum_id`, unless the last one is recent and of the same quorum (a new
     /// quorum's lease goes out at once, and so does the first datagram's after beats
-    /// on the stream: the group that fell back learns that datagrams pass again, see
-    /// `datagram::Fallback`); false once the stream is gone. A full queue means the
-    /// group is not reading; it holds no lease then.
+    /// on the stream: the group that fell back learns that datagrams pass again, both
+    /// ways, see `datagram::Fallback`). A datagram's renewal is returned, to go back
+    /// as a datagram; every other lease goes on the stream, where a full queue means
+    /// the group is not reading (it holds no lease then).
     pub(super) fn send(
         &mut self,
         seq: u64,
         quorum_id: u64,
         now: Instant,
         by_datagram: bool,
-    ) -> bool {
-        let Some(events) = self.events.upgrade() else {
-            return false;
-        };
+    ) -> Result<Option<proto::Lease>, Ended> {
+        let events = self.events.upgrade().ok_or(Ended)?;
         let switched = by_datagram && !self.by_datagram;
         self.by_datagram = by_datagram;
-        if switched || renewal_due(self.last, quorum_id, self.lease_ms, now) {
-            let granted = lease(seq, quorum_id, self.lease_ms, self.offer.take());
-            if events.try_send(granted).is_ok() {
-                self.last = Some((now, quorum_id));
-            }
+        if !switched && !renewal_due(self.last, quorum_id, self.lease_ms, now) {
+            return Ok(None);
         }
-        true
+        let renewal = self.last.is_some_and(|(_, q)| q == quorum_id);
+        let granted = proto::Lease {
+            seq,
+            quorum_id,
+            lease_ms: self.lease_ms,
+            datagrams: self.offer.take(),
+        };
+        if by_datagram && renewal && granted.datagrams.is_none() {
+            self.last = Some((now, quorum_id));
+            return Ok(Some(granted));
+        }
+        let event = proto::LighthouseEvent {
+            event: Some(proto::lighthouse_event::Event::Lease(granted)),
+        };
+        if events.try_send(Ok(event)).is_ok() {
+            self.last = Some((now, quorum_id));
+        }
+        Ok(None)
     }
 }
 
@@ -95,25 +114,25 @@ impl BeatSink {
     }
 
     /// The hot path: no state lock, a few atomic operations and one ack; `by_datagram`:
-    /// the beat came as a datagram. False: the stream ends (the beat is malformed, the
-    /// group was evicted or the stream is gone).
-    pub(crate) fn take(&self, beat: &proto::Beat, by_datagram: bool) -> bool {
+    /// the beat came as a datagram, and a lease returned goes back as one.
+    pub(crate) fn take(
+        &self,
+        beat: &proto::Beat,
+        by_datagram: bool,
+    ) -> Result<Option<proto::Lease>, Ended> {
         let now = Instant::now();
         if validate::beat(beat).is_err() || !self.pulse.beat(now, beat.step, beat.last_quorum_id) {
-            return false;
+            return Err(Ended);
         }
         self.shared.metrics.heartbeats.inc();
-        if !self
+        let lease = self
             .acks()
-            .send(beat.seq, self.pulse.lease_quorum(), now, by_datagram)
-        {
-            return false;
-        }
+            .send(beat.seq, self.pulse.lease_quorum(), now, by_datagram)?;
         if self.pulse.trained(now, beat) && self.shared.stall_overdue.load(Relaxed) {
             self.shared.wake.notify_one();
         }
         self.shared.report(&self.replica_id, beat);
-        true
+        Ok(lease)
     }
 }
 
@@ -153,7 +172,7 @@ impl BeatTask {
         // An ask on its own (seq 0) is a sign of life that reports nothing else; its
         // answer acknowledges it.
         if beat.seq != 0 || ask.is_none() {
-            if !sink.take(&beat, false) {
+            if sink.take(&beat, false).is_err() {
                 return false;
             }
         } else if validate::beat(&beat).is_err()
@@ -192,23 +211,6 @@ impl BeatTask {
     }
 }
 
-/// The acknowledgement of beat `seq` (see `proto::Lease`).
-fn lease(
-    seq: u64,
-    quorum_id: u64,
-    lease_ms: u64,
-    datagrams: Option<proto::DatagramOffer>,
-) -> Result<proto::LighthouseEvent, Status> {
-    Ok(proto::LighthouseEvent {
-        event: Some(proto::lighthouse_event::Event::Lease(proto::Lease {
-            seq,
-            quorum_id,
-            lease_ms,
-            datagrams,
-        })),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +228,41 @@ mod tests {
         // A short lease is renewed within an eighth of it.
         assert!(!renewal_due(Some((t, 4)), 4, 400, t + ms(40)));
         assert!(renewal_due(Some((t, 4)), 4, 400, t + ms(50)));
+    }
+
+    #[test]
+    fn a_datagrams_renewal_goes_back_as_one_the_offer_and_a_new_quorums_lease_on_the_stream() {
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        let (events, mut on_stream) = mpsc::channel(8);
+        let mut acks = Acks {
+            events: events.downgrade(),
+            lease_ms: 2000,
+            last: None,
+            offer: Some(proto::DatagramOffer::default()),
+            by_datagram: false,
+        };
+        let mut streamed = || match on_stream.try_recv() {
+            Ok(Ok(proto::LighthouseEvent {
+                event: Some(proto::lighthouse_event::Event::Lease(lease)),
+            })) => Some(lease),
+            _ => None,
+        };
+        // The first beat's lease offers the channel, on the stream.
+        assert_eq!(acks.send(1, 4, t, false).unwrap(), None);
+        assert!(streamed().unwrap().datagrams.is_some());
+        // The first datagram is leased at once, as a datagram; the next not so soon.
+        assert_eq!(acks.send(2, 4, t + ms(10), true).unwrap().unwrap().seq, 2);
+        assert_eq!(acks.send(3, 4, t + ms(100), true).unwrap(), None);
+        assert_eq!(acks.send(4, 4, t + ms(300), true).unwrap().unwrap().seq, 4);
+        assert!(streamed().is_none());
+        // A new quorum's lease must not be lost: on the stream.
+        assert_eq!(acks.send(5, 5, t + ms(310), true).unwrap(), None);
+        assert_eq!(streamed().unwrap().quorum_id, 5);
+        // A beat on the stream is renewed on it.
+        assert_eq!(acks.send(6, 5, t + ms(600), false).unwrap(), None);
+        assert_eq!(streamed().unwrap().seq, 6);
+        drop(events);
+        assert!(acks.send(7, 5, t + ms(900), true).is_err());
     }
 }

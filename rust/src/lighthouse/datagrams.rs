@@ -1,8 +1,9 @@
 //! The lighthouse's side of beats as UDP datagrams (`crate::datagram`): the channels
 //! it offers its framed streams, and a thread that reads datagrams in batches
-//! (`recvmmsg`) and gives each to its stream's `BeatSink`, as the stream's own task
-//! would. Nothing but the beat is done on this thread; leases still go out on the
-//! stream.
+//! (`recvmmsg`), gives each to its stream's `BeatSink`, as the stream's own task
+//! would, and sends the leases that renews back to where each beat came from, a batch
+//! in one `sendmmsg`. Nothing else is done on this thread; a new quorum's lease goes
+//! out on the stream.
 
 use std::collections::HashMap;
 use std::io;
@@ -17,7 +18,7 @@ use tokio::sync::watch;
 
 use super::beats::BeatSink;
 use super::metrics::SiteMetrics;
-use crate::datagram::{self, Dropped, Key, Sealer, Sequence};
+use crate::datagram::{self, DatagramLease, Dropped, Key, Sealer, Sequence, LEASE_LEN};
 use crate::proto;
 
 /// Datagrams read by one `recvmmsg` at most: more than `GATHER` of 10,000 groups'
@@ -46,6 +47,7 @@ pub(crate) struct Channels {
     open: Mutex<HashMap<u64, Arc<Open>>>,
     next: AtomicU64,
     taken: Counter,
+    leases: Counter,
     /// `datagrams_dropped`, one counter per `Dropped` (in `Dropped::ALL`'s order), found
     /// once: a flood of stray datagrams costs no lookup each.
     dropped: [Counter; Dropped::ALL.len()],
@@ -78,6 +80,7 @@ impl Channels {
             open: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             taken: metrics.datagram_beats.clone(),
+            leases: metrics.datagram_leases.clone(),
             dropped: Dropped::ALL.map(|why| {
                 metrics
                     .datagrams_dropped
@@ -113,19 +116,22 @@ impl Channels {
         (channel, offer)
     }
 
-    /// Takes one datagram, or counts why not.
-    fn receive(&self, bytes: &[u8]) {
+    /// Takes one datagram, or counts why not; returns the lease that renews it, if one
+    /// is due, sealed.
+    fn receive(&self, bytes: &[u8]) -> Option<[u8; LEASE_LEN]> {
         match self.take(bytes) {
-            Ok(()) => {
+            Ok(lease) => {
                 self.taken.inc();
+                lease
             }
             Err(why) => {
                 self.dropped[why as usize].inc();
+                None
             }
         }
     }
 
-    fn take(&self, bytes: &[u8]) -> Result<(), Dropped> {
+    fn take(&self, bytes: &[u8]) -> Result<Option<[u8; LEASE_LEN]>, Dropped> {
         let id = datagram::channel_of(bytes)?;
         let open = self.lock().get(&id).cloned().ok_or(Dropped::Unknown)?;
         let beat = open.sealer.open(bytes)?;
@@ -139,8 +145,10 @@ impl Channels {
         }
         // A beat the stream refuses (the group was evicted, its stream is ending) ends
         // nothing here: the stream's task ends it.
-        open.sink.take(&beat.to_beat(), true);
-        Ok(())
+        let lease = open.sink.take(&beat.to_beat(), true).ok().flatten();
+        Ok(lease
+            .and_then(|lease| DatagramLease::of(id, &lease))
+            .map(|lease| open.sealer.seal_lease(&lease)))
     }
 }
 
@@ -171,8 +179,14 @@ fn random_key() -> Key {
 pub(crate) fn bind(at: SocketAddr) -> io::Result<UdpSocket> {
     let socket = UdpSocket::bind(at)?;
     socket.set_read_timeout(Some(LOOK_EVERY))?;
+    enlarge_queue(&socket, RECEIVE_BUFFER);
+    Ok(socket)
+}
+
+/// Asks for a queue of `size` bytes of datagrams not read yet on `socket`: beyond
+/// net.core.rmem_max where the process may (root), else up to it.
+pub(crate) fn enlarge_queue(socket: &UdpSocket, size: libc::c_int) {
     let fd = socket.as_raw_fd();
-    let size = RECEIVE_BUFFER;
     for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
         // SAFETY: `size` is a c_int that lives across the call, and its length is
         // given; `fd` is the socket's, open while `socket` lives.
@@ -185,13 +199,10 @@ pub(crate) fn bind(at: SocketAddr) -> io::Result<UdpSocket> {
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             )
         };
-        // Without privilege the forced size is refused; the plain one is capped by
-        // net.core.rmem_max.
         if set == 0 {
             break;
         }
     }
-    Ok(socket)
 }
 
 /// Reads `socket` on a thread of its own until `shutdown` says the lighthouse stops
@@ -208,6 +219,8 @@ pub(crate) fn spawn_reader(
 
 fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool>) {
     let mut slots = vec![[0u8; SLOT]; BATCH];
+    // SAFETY: sockaddr_storage is plain data; all zeros is an empty address.
+    let mut senders: Vec<libc::sockaddr_storage> = vec![unsafe { std::mem::zeroed() }; BATCH];
     let mut iovecs: Vec<libc::iovec> = slots
         .iter_mut()
         .map(|slot| libc::iovec {
@@ -217,20 +230,27 @@ fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool
         .collect();
     let mut messages: Vec<libc::mmsghdr> = iovecs
         .iter_mut()
-        .map(|iovec| {
+        .zip(senders.iter_mut())
+        .map(|(iovec, sender)| {
             // SAFETY: mmsghdr is plain data; all zeros is an empty header.
             let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
             m.msg_hdr.msg_iov = iovec;
             m.msg_hdr.msg_iovlen = 1;
+            m.msg_hdr.msg_name = (sender as *mut libc::sockaddr_storage).cast();
             m
         })
         .collect();
+    let mut replies = Replies::default();
     let fd = socket.as_raw_fd();
     while shutdown.has_changed().is_ok() && !*shutdown.borrow() {
+        for m in &mut messages {
+            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as _;
+        }
         // SAFETY: every header points at one iovec of `iovecs`, each at a slot of
-        // `slots`, SLOT bytes long; all live across the call and nothing else
-        // touches them meanwhile. MSG_WAITFORONE: wait for the first datagram only,
-        // then take what else is queued.
+        // `slots`, SLOT bytes long, and at one address of `senders`, its size given;
+        // all live across the call and nothing else touches them meanwhile.
+        // MSG_WAITFORONE: wait for the first datagram only, then take what else is
+        // queued.
         let n = unsafe {
             libc::recvmmsg(
                 fd,
@@ -253,14 +273,82 @@ fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool
             }
             continue;
         }
-        for (message, slot) in messages.iter().zip(&slots).take(n as usize) {
+        for ((message, slot), sender) in messages.iter().zip(&slots).zip(&senders).take(n as usize)
+        {
             // A datagram longer than a slot was cut to it: its length is then no
             // beat's either.
             let len = (message.msg_len as usize).min(SLOT);
-            channels.receive(&slot[..len]);
+            if let Some(lease) = channels.receive(&slot[..len]) {
+                replies.add(lease, *sender, message.msg_hdr.msg_namelen);
+            }
         }
+        let sent = replies.send(fd);
+        channels.leases.inc_by(sent as u64);
         if (n as usize) < BATCH {
             std::thread::sleep(GATHER);
         }
+    }
+}
+
+/// Leases to send back, each to the address its beat came from.
+#[derive(Default)]
+struct Replies {
+    leases: Vec<[u8; LEASE_LEN]>,
+    to: Vec<(libc::sockaddr_storage, libc::socklen_t)>,
+}
+
+impl Replies {
+    fn add(&mut self, lease: [u8; LEASE_LEN], to: libc::sockaddr_storage, len: libc::socklen_t) {
+        self.leases.push(lease);
+        self.to.push((to, len));
+    }
+
+    /// Sends them all in as few `sendmmsg` as the socket takes, and forgets them;
+    /// returns how many went. One the socket does not take now is not retried: the
+    /// next beat renews it (and a group that hears no lease falls back to its stream).
+    fn send(&mut self, fd: libc::c_int) -> usize {
+        let mut iovecs: Vec<libc::iovec> = self
+            .leases
+            .iter_mut()
+            .map(|lease| libc::iovec {
+                iov_base: lease.as_mut_ptr().cast(),
+                iov_len: LEASE_LEN,
+            })
+            .collect();
+        let mut messages: Vec<libc::mmsghdr> = iovecs
+            .iter_mut()
+            .zip(self.to.iter_mut())
+            .map(|(iovec, (to, len))| {
+                // SAFETY: mmsghdr is plain data; all zeros is an empty header.
+                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                m.msg_hdr.msg_iov = iovec;
+                m.msg_hdr.msg_iovlen = 1;
+                m.msg_hdr.msg_name = (to as *mut libc::sockaddr_storage).cast();
+                m.msg_hdr.msg_namelen = *len;
+                m
+            })
+            .collect();
+        let mut sent = 0;
+        while sent < messages.len() {
+            // SAFETY: the headers from `sent` on point at iovecs and addresses that
+            // live across the call, their lengths given. MSG_DONTWAIT: a full buffer
+            // never holds the thread that reads the beats.
+            let n = unsafe {
+                libc::sendmmsg(
+                    fd,
+                    messages[sent..].as_mut_ptr(),
+                    (messages.len() - sent) as libc::c_uint,
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            sent += n as usize;
+        }
+        drop(messages);
+        self.leases.clear();
+        self.to.clear();
+        sent
     }
 }

@@ -68,6 +68,8 @@ pub struct SiteMetrics {
     /// Beats taken as datagrams (`datagram`), of every job; `heartbeats` counts them
     /// too, by job.
     pub datagram_beats: Counter,
+    /// Leases sent back as datagrams (renewals of datagram beats), of every job.
+    pub datagram_leases: Counter,
     /// Datagrams dropped, by `reason` (`datagram::Dropped`): stray traffic, a stream
     /// that ended, or someone without the stream's key.
     pub datagrams_dropped: Family<Labels, Counter>,
@@ -83,6 +85,7 @@ impl SiteMetrics {
             jobs: Gauge::default(),
             jobs_forgotten: Counter::default(),
             datagram_beats: Counter::default(),
+            datagram_leases: Counter::default(),
             datagrams_dropped: Family::default(),
         };
         registry.register(
@@ -113,6 +116,11 @@ impl SiteMetrics {
             "datagram_beats",
             "Beats taken as UDP datagrams beside their heartbeat streams",
             m.datagram_beats.clone(),
+        );
+        registry.register(
+            "datagram_leases",
+            "Leases sent back as UDP datagrams, renewing datagram beats",
+            m.datagram_leases.clone(),
         );
         registry.register(
             "datagrams_dropped",

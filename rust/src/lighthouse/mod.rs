@@ -3,6 +3,7 @@
 //! of jobs at once (see `jobs`), each with its own rules, quorums and token.
 
 mod access;
+mod beat_path;
 mod beats;
 pub mod client;
 pub(crate) mod datagrams;

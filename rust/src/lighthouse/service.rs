@@ -646,7 +646,9 @@ impl Site {
             }
             _ => None,
         };
-        sink.acks()
+        // The first lease goes on the stream; a stream already gone ends in its task.
+        let _ = sink
+            .acks()
             .send(first.seq, sink.pulse.lease_quorum(), Instant::now(), false);
         sink.pulse.trained(Instant::now(), &first);
         shared.report(&first.replica_id, &first);

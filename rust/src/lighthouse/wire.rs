@@ -6,9 +6,8 @@
 //! beside the stream once the lighthouse offers them (`crate::datagram`).
 
 use std::io;
-use std::net::{SocketAddr, UdpSocket};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use prost::Message;
@@ -21,10 +20,10 @@ use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
 use super::access;
+use super::beat_path::DatagramPath;
 use super::jobs::JobRequest;
 use super::service::{Events, Inbound, Site};
 use crate::auth::JobToken;
-use crate::datagram::{DatagramBeat, Fallback, Key, Sealer};
 use crate::door::Guarded;
 use crate::frames::{self, FrameError, Frames, PREFACE};
 use crate::gate::Refusal;
@@ -261,6 +260,8 @@ enum Stream {
         first: Option<proto::LighthouseEvent>,
         /// Where beats go as datagrams, once the lighthouse offered them.
         datagrams: Arc<OnceLock<DatagramPath>>,
+        /// Leases that came back as datagrams.
+        leases: mpsc::Receiver<proto::Lease>,
         _beats: AbortOnDropHandle<()>,
     },
     Grpc(tonic::Streaming<proto::LighthouseEvent>),
@@ -279,19 +280,27 @@ impl BeatEvents {
 
     /// The next event; None once the lighthouse ended the stream in order.
     pub async fn message(&mut self) -> Result<Option<proto::LighthouseEvent>, Status> {
-        let (reader, first, datagrams) = match &mut self.0 {
+        let (reader, first, datagrams, leases) = match &mut self.0 {
             Stream::Grpc(events) => return events.message().await,
             Stream::Framed {
                 reader,
                 first,
                 datagrams,
+                leases,
                 ..
-            } => (reader, first, datagrams),
+            } => (reader, first, datagrams, leases),
         };
         if let Some(first) = first.take() {
             return Ok(Some(first));
         }
-        match reader.message::<proto::LighthouseEvent>().await? {
+        let next = tokio::select! {
+            biased;
+            read = reader.message::<proto::LighthouseEvent>() => read?,
+            Some(lease) = leases.recv() => Some(proto::LighthouseEvent {
+                event: Some(Event::Lease(lease)),
+            }),
+        };
+        match next {
             Some(proto::LighthouseEvent {
                 event: Some(Event::End(end)),
             }) => ended(end).map_or(Ok(None), Err),
@@ -299,7 +308,7 @@ impl BeatEvents {
                 event: Some(Event::Lease(lease)),
             }) => {
                 if let Some(path) = datagrams.get() {
-                    path.fallback().leased(Instant::now(), lease.seq);
+                    path.leased(lease.seq);
                 }
                 Ok(Some(proto::LighthouseEvent {
                     event: Some(Event::Lease(lease)),
@@ -311,85 +320,6 @@ impl BeatEvents {
             )),
         }
     }
-}
-
-/// Where a stream's beats go as datagrams, and whether they still do.
-struct DatagramPath {
-    socket: &'static UdpSocket,
-    lighthouse: SocketAddr,
-    channel: u64,
-    sealer: Sealer,
-    fallback: Mutex<Fallback>,
-}
-
-impl DatagramPath {
-    /// The path `offer` opens to the lighthouse at `lighthouse`; None if the offer is
-    /// malformed or no UDP socket can be had (the beats stay on the stream).
-    fn offered(
-        offer: &proto::DatagramOffer,
-        lease: Duration,
-        lighthouse: SocketAddr,
-    ) -> Option<Self> {
-        let key: Key = offer.key[..].try_into().ok()?;
-        Some(DatagramPath {
-            socket: sending_socket(lighthouse.is_ipv6())?,
-            lighthouse,
-            channel: offer.channel,
-            sealer: Sealer::new(&key),
-            fallback: Mutex::new(Fallback::new(Instant::now(), lease)),
-        })
-    }
-
-    fn fallback(&self) -> std::sync::MutexGuard<'_, Fallback> {
-        self.fallback.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Sends `beat` as a datagram if it may go as one; false: it goes on the stream.
-    fn send(&self, beat: &proto::Beat) -> bool {
-        let Some(datagram) = DatagramBeat::of(self.channel, beat) else {
-            return false;
-        };
-        let mut fallback = self.fallback();
-        let was_given_up = fallback.given_up();
-        if !fallback.by_datagram(Instant::now(), datagram.seq) {
-            if !was_given_up {
-                tracing::warn!(
-                    "no lease came for the heartbeat datagrams sent to {} for {:.1} s: \
-                     beating on the stream instead, and trying a datagram every {} beats \
-                     (does a firewall drop UDP to the lighthouse's port?)",
-                    self.lighthouse,
-                    fallback.silence().as_secs_f64(),
-                    Fallback::PROBE_EVERY
-                );
-            }
-            return false;
-        }
-        drop(fallback);
-        // A full socket buffer or an unreachable port: this beat goes on the stream,
-        // and lost ones count towards falling back.
-        self.socket
-            .send_to(&self.sealer.seal(&datagram), self.lighthouse)
-            .is_ok()
-    }
-}
-
-/// The process's one socket for sending beats as datagrams, of each address family:
-/// a socket each would double a stream's file descriptors (a load generator of
-/// 10,000 groups in one process runs out), and it never reads.
-fn sending_socket(v6: bool) -> Option<&'static UdpSocket> {
-    static V4: OnceLock<Option<UdpSocket>> = OnceLock::new();
-    static V6: OnceLock<Option<UdpSocket>> = OnceLock::new();
-    let (cell, any): (_, SocketAddr) = if v6 {
-        (&V6, (std::net::Ipv6Addr::UNSPECIFIED, 0).into())
-    } else {
-        (&V4, ([0, 0, 0, 0], 0).into())
-    };
-    cell.get_or_init(|| {
-        let socket = UdpSocket::bind(any).ok()?;
-        socket.set_nonblocking(true).ok()?;
-        Some(socket)
-    })
-    .as_ref()
 }
 
 /// Opens a framed heartbeat stream to the lighthouse at `address` ("host:port"),
@@ -431,10 +361,12 @@ pub(crate) async fn open(
     let reader = FrameReader::new(read, MAX_RESPONSE_BYTES);
     let path = Arc::new(OnceLock::new());
     let sending = AbortOnDropHandle::new(tokio::spawn(send_beats(beats, write, path.clone())));
+    let (leased, leases) = mpsc::channel(DatagramPath::WAITING);
     let mut events = BeatEvents(Stream::Framed {
         reader,
         first: None,
         datagrams: path.clone(),
+        leases,
         _beats: sending,
     });
     match events.message().await {
@@ -447,7 +379,7 @@ pub(crate) async fn open(
                 _ => None,
             };
             if let (true, Some((offer, lease)), Some(lighthouse)) = (datagrams, offer, lighthouse) {
-                if let Some(offered) = DatagramPath::offered(offer, lease, lighthouse) {
+                if let Some(offered) = DatagramPath::offered(offer, lease, lighthouse, leased) {
                     let _ = path.set(offered);
                 }
             }

@@ -1,7 +1,8 @@
 //! Beats as UDP datagrams beside framed heartbeat streams (`phalanx::datagram`): they
-//! keep a group live and leased, a closed stream is still told at once, datagrams
-//! without the stream's key or number are dropped and counted, and a group whose
-//! datagrams are lost falls back to its stream.
+//! keep a group live and leased (their renewals come back as datagrams), a closed
+//! stream is still told at once, datagrams without the stream's key or number are
+//! dropped and counted, and a group whose datagrams, or whose leases, are lost falls
+//! back to its stream.
 
 use super::*;
 use phalanx::datagram::{DatagramBeat, Sealer, LEN};
@@ -31,6 +32,7 @@ fn dropped(reason: &str) -> String {
 }
 
 const TAKEN: &str = "phalanx_lighthouse_datagram_beats_total";
+const LEASES: &str = "phalanx_lighthouse_datagram_leases_total";
 
 /// Reads `events` until a lease acknowledges a beat numbered `seq` or later (in a
 /// quorum, if `in_quorum`); fails on any other event. A group reads its events all
@@ -101,6 +103,10 @@ async fn beats_as_datagrams_keep_groups_live_and_leased_and_a_closed_stream_is_t
         taken * 10 >= beats * 8,
         "{beats} beats, only {taken} of them datagrams"
     );
+    // Kept on datagrams, the groups heard their renewals: they came as datagrams (a
+    // lease every 250 ms at most, each group's first and its quorum's on the stream).
+    let leases = metric(addr, None, LEASES).await;
+    assert!(leases >= 3 * 3, "{leases} leases sent as datagrams");
     let status = status_rpc(&groups[0].0).await;
     assert!(status.replicas.iter().all(|r| r.connected), "{status:?}");
 
@@ -297,22 +303,76 @@ async fn a_group_whose_datagrams_are_lost_falls_back_to_its_stream_stays_live_an
 
     // UDP passes again: a probe gets through, its lease brings the group back to
     // datagrams, and its beats come as datagrams from then on.
-    let lost = tokio::net::UdpSocket::from_std(lost).unwrap();
-    let relaying = tokio::spawn(async move {
-        let mut buf = [0u8; 256];
-        while let Ok(n) = lost.recv(&mut buf).await {
-            let _ = lost.send_to(&buf[..n], addr).await;
-        }
-    });
+    let relaying = udp_relay(lost, addr, true);
     let reading = tokio::spawn(async move { while let Ok(Some(_)) = events.message().await {} });
     eventually("beats as datagrams again", PATIENCE, || async {
         metric(addr, None, TAKEN).await >= 10
     })
     .await;
+    assert!(metric(addr, None, LEASES).await > 0);
     beating.abort();
     forwarding.abort();
     relaying.abort();
     reading.abort();
+}
+
+/// Relays what `relay` receives: from a group to the lighthouse at `lighthouse`, and,
+/// if `back`, from the lighthouse to the group that sent last.
+fn udp_relay(relay: std::net::UdpSocket, lighthouse: SocketAddr, back: bool) -> JoinHandle<()> {
+    let relay = tokio::net::UdpSocket::from_std(relay).unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 256];
+        let mut group = None;
+        while let Ok((n, from)) = relay.recv_from(&mut buf).await {
+            let to = if from != lighthouse {
+                group = Some(from);
+                Some(lighthouse)
+            } else {
+                group.filter(|_| back)
+            };
+            if let Some(to) = to {
+                let _ = relay.send_to(&buf[..n], to).await;
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_that_hears_no_lease_datagrams_falls_back_to_its_stream_and_stays_leased() {
+    // UDP passes to the lighthouse and not back: its datagrams are taken, the leases
+    // that renew them are lost.
+    let (_lighthouse, addr) = start(1).await;
+    let (through, relay, forwarding) = tcp_only_forwarder(addr).await;
+    let relaying = udp_relay(relay, addr, false);
+    let client = client(through);
+    let hb = open_heartbeat(&client, "g")
+        .await
+        .expect("the stream opens");
+    let mut events = hb.events;
+    let beating = keep_beating_plain(hb.beats);
+
+    // Beat 30 comes 1.5 s in: leased on the stream since the group fell back.
+    leased_from(&mut events, 30, false).await;
+    let taken = metric(addr, None, TAKEN).await;
+    assert!(
+        (3..=8).contains(&taken),
+        "{taken} datagrams taken before falling back and since"
+    );
+    assert!(metric(addr, None, LEASES).await > 0);
+    let status = status_rpc(&client).await;
+    assert!(connected(&status, "g"), "{status:?}");
+    assert_eq!(
+        metric(
+            addr,
+            None,
+            "phalanx_lighthouse_evictions_total{cause=\"heartbeat_timeout\"}"
+        )
+        .await,
+        0
+    );
+    beating.abort();
+    forwarding.abort();
+    relaying.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
