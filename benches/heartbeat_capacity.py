@@ -62,6 +62,8 @@ def scrape(address: str) -> dict[str, float]:
             counts["beats"] = float(value)
         elif name == "phalanx_lighthouse_datagram_beats_total":
             counts["datagram_beats"] = float(value)
+        elif name == "phalanx_lighthouse_datagram_leases_total":
+            counts["datagram_leases"] = float(value)
         elif name.startswith("phalanx_lighthouse_evictions_total{"):
             counts["evictions"] += float(value)
     return counts
@@ -113,9 +115,12 @@ def measure(args: argparse.Namespace, transport: str) -> dict[str, float]:
     evicted = beaten["evictions"] - before["evictions"]
     latencies = [s * 1e3 for s, _, _ in timings]
     beats = beaten["beats"] - before["beats"]
-    as_datagrams = beaten.get("datagram_beats", 0.0) - before.get("datagram_beats", 0.0)
+    def counted(name: str) -> float:
+        return beaten.get(name, 0.0) - before.get(name, 0.0)
+
     return {
-        "datagram_share": as_datagrams / beats if beats else 0.0,
+        "datagram_share": counted("datagram_beats") / beats if beats else 0.0,
+        "datagram_leases_per_beat": counted("datagram_leases") / beats if beats else 0.0,
         "heartbeats_per_s": beats_per_s,
         "us_per_beat": cpu_per_s / beats_per_s * 1e6 if beats_per_s else float("nan"),
         "quorum_p50_ms": percentile(latencies, 50),
@@ -190,6 +195,7 @@ def main() -> None:
             "quorum_p99_ms_under_load": round(median(t, "quorum_p99_ms"), 3),
             "all_live_throughout": all(run["all_live_throughout"] for run in runs[t]),
             "beats_as_datagrams": round(median(t, "datagram_share"), 3),
+            "leases_as_datagrams_per_beat": round(median(t, "datagram_leases_per_beat"), 3),
             "evicted_while_measured": int(sum(run["evicted_while_measured"] for run in runs[t])),
             "runs_failed": args.runs - len(runs[t]),
         }
@@ -202,6 +208,9 @@ def main() -> None:
         ]
         if t == "datagrams":
             rows.append((f"{t}: share of beats as datagrams", result[t]["beats_as_datagrams"]))
+            rows.append(
+                (f"{t}: leases sent as datagrams per beat", result[t]["leases_as_datagrams_per_beat"])
+            )
     if runs.get("datagrams") and runs.get("framed"):
         ratio = median("framed", "us_per_beat") / median("datagrams", "us_per_beat")
         result["framed_over_datagrams_cpu_per_beat"] = round(ratio, 2)

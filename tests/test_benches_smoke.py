@@ -71,6 +71,9 @@ def test_heartbeat_capacity_quick_measures_every_transport():
     # framed ones on their streams.
     assert result["datagrams"]["beats_as_datagrams"] > 0.9, result["datagrams"]
     assert result["framed"]["beats_as_datagrams"] == 0
+    # Their renewals came back as datagrams: one every 250 ms of a beat every 100 ms.
+    assert 0.2 < result["datagrams"]["leases_as_datagrams_per_beat"] < 0.6, result["datagrams"]
+    assert result["framed"]["leases_as_datagrams_per_beat"] == 0
     assert result["grpc_over_framed_cpu_per_beat"] > 0
     assert result["framed_over_datagrams_cpu_per_beat"] > 0
 
