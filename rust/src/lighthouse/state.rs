@@ -930,9 +930,9 @@ impl LighthouseState {
             .min()
     }
 
-    /// When stall detection next has a group to judge (see `stall::next_stall`).
+    /// When stall detection next has a group to judge (see `Stalls::next`).
     pub fn next_stall(&self, now: Instant) -> Option<Instant> {
-        stall::next_stall(&self.watch(), now)
+        self.stalls.next(&self.watch(), now)
     }
 
     pub fn waiting_until(&self) -> Option<Instant> {

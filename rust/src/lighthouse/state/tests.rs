@@ -238,6 +238,35 @@ fn a_group_back_from_a_pause_or_not_trained_yet_is_not_taken_for_dropped() {
     assert_eq!(s.evict_stalled(ms(14000)), (vec![], false), "it moved");
 }
 
+#[test]
+fn the_groups_outside_the_quorum_are_looked_at_again_when_one_is_due_or_the_look_is_stale() {
+    let t = Instant::now();
+    let ms = |n: u64| t + Duration::from_millis(n);
+    let mut s = state();
+    let ((_, a), _a_events) = open(&mut s, "a", t);
+    form_quorum(&mut s, &["a"], t);
+    // b, outside the quorum, trained and stalled since 1 s: due at 6 s.
+    let ((_, b), _b_events) = open(&mut s, "b", t);
+    assert!(b.beat(ms(1000), 5, 1));
+    trained(&b, ms(1000), 0, 0);
+    trained(&a, ms(5900), 0, 0);
+    assert_eq!(s.evict_stalled(ms(5900)), (vec![], false));
+    assert_eq!(s.next_stall(ms(5900)), Some(ms(6000)), "the look found b due");
+    assert_eq!(s.evict_stalled(ms(6000)).0, ["b".to_string()]);
+
+    // c reports its first step (it becomes one of them) after a look: found at the
+    // first judgement once the look is RELOOK old, not before.
+    let ((_, c), _c_events) = open(&mut s, "c", t);
+    trained(&c, ms(4000), 0, 0);
+    assert_eq!(s.evict_stalled(ms(9000)), (vec![], false), "c at step 0");
+    assert!(c.beat(ms(9050), 5, 1));
+    assert_eq!(s.evict_stalled(ms(9100)), (vec![], false), "the look stands");
+    assert_eq!(
+        s.evict_stalled(ms(9000) + stall::RELOOK).0,
+        ["c".to_string()]
+    );
+}
+
 /// A small deterministic generator: the scenarios below vary without a seed to chase.
 struct Lcg(u64);
 
