@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::datagrams::enlarge_queue;
-use crate::datagram::{self, DatagramBeat, Fallback, Key, Sealer, LEASE_LEN};
+use crate::datagram::{self, DatagramBeat, Fallback, Key, Sealer, Sequence, LEASE_LEN};
 use crate::proto;
 
 /// The socket's queue of leases not read yet: a lighthouse sends a batch's leases at
@@ -114,7 +114,29 @@ impl Drop for DatagramPath {
 struct Inbox {
     id: u64,
     sealer: Sealer,
+    /// The beats its leases acknowledged so far: a lease must acknowledge a later beat
+    /// than every one taken before, so a copy replayed later cannot pass for a lease
+    /// that came (and hold off the fallback to the stream while no lease comes).
+    acknowledged: Sequence,
     leases: mpsc::Sender<proto::Lease>,
+}
+
+impl Inbox {
+    fn new(id: u64, sealer: Sealer, leases: mpsc::Sender<proto::Lease>) -> Self {
+        Inbox {
+            id,
+            sealer,
+            acknowledged: Sequence::default(),
+            leases,
+        }
+    }
+
+    /// The lease in `bytes` if this stream's key sealed it and it acknowledges a later
+    /// beat than any lease taken before.
+    fn take(&mut self, bytes: &[u8]) -> Option<proto::Lease> {
+        let lease = self.sealer.open_lease(bytes).ok()?;
+        self.acknowledged.take(lease.seq).then(|| lease.to_lease())
+    }
 }
 
 /// The process's UDP socket of one address family, and the streams whose leases it
@@ -171,7 +193,7 @@ impl BeatSocket {
 
     fn register(&self, channel: u64, sealer: Sealer, leases: mpsc::Sender<proto::Lease>) -> u64 {
         let id = self.next.fetch_add(1, Relaxed);
-        let inbox = Inbox { id, sealer, leases };
+        let inbox = Inbox::new(id, sealer, leases);
         self.inboxes().entry(channel).or_default().push(inbox);
         id
     }
@@ -206,20 +228,59 @@ impl BeatSocket {
         }
     }
 
-    /// Hands a lease to the stream whose key sealed it; anything else is dropped.
+    /// Hands a lease to the stream whose key sealed it (see `Inbox::take`); anything
+    /// else is dropped.
     fn deliver(&self, bytes: &[u8]) {
         let Ok(channel) = datagram::lease_channel_of(bytes) else {
             return;
         };
-        let inboxes = self.inboxes();
-        let Some(those) = inboxes.get(&channel) else {
+        let mut inboxes = self.inboxes();
+        let Some(those) = inboxes.get_mut(&channel) else {
             return;
         };
-        for inbox in those {
-            if let Ok(lease) = inbox.sealer.open_lease(bytes) {
-                let _ = inbox.leases.try_send(lease.to_lease());
-                return;
-            }
+        if let Some((inbox, lease)) = those
+            .iter_mut()
+            .find_map(|inbox| inbox.take(bytes).map(|lease| (&*inbox, lease)))
+        {
+            let _ = inbox.leases.try_send(lease);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datagram::DatagramLease;
+
+    #[test]
+    fn a_stream_takes_a_lease_of_its_key_once_and_only_for_a_later_beat() {
+        let key: Key = *b"0123456789abcdef";
+        let (tx, _rx) = mpsc::channel(1);
+        let mut inbox = Inbox::new(1, Sealer::new(&key), tx);
+        let sealed = |key: &Key, seq: u64| {
+            let lease = DatagramLease {
+                channel: 7,
+                seq,
+                quorum_id: 3,
+                lease_ms: 2000,
+            };
+            Sealer::new(key).seal_lease(&lease)
+        };
+        let first = sealed(&key, 5);
+        assert_eq!(
+            inbox.take(&first).map(|l| (l.seq, l.quorum_id)),
+            Some((5, 3))
+        );
+        assert_eq!(inbox.take(&first), None, "a copy");
+        assert_eq!(inbox.take(&sealed(&key, 4)), None, "an older beat's");
+        assert_eq!(
+            inbox.take(&sealed(b"not the rightkey", 9)),
+            None,
+            "another key's"
+        );
+        let mut beat = [0u8; datagram::LEN];
+        beat[..first.len()].copy_from_slice(&first);
+        assert_eq!(inbox.take(&beat), None, "not a lease's length");
+        assert_eq!(inbox.take(&sealed(&key, 6)).map(|l| l.seq), Some(6));
     }
 }

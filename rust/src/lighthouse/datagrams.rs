@@ -231,14 +231,7 @@ fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool
     let mut messages: Vec<libc::mmsghdr> = iovecs
         .iter_mut()
         .zip(senders.iter_mut())
-        .map(|(iovec, sender)| {
-            // SAFETY: mmsghdr is plain data; all zeros is an empty header.
-            let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-            m.msg_hdr.msg_iov = iovec;
-            m.msg_hdr.msg_iovlen = 1;
-            m.msg_hdr.msg_name = (sender as *mut libc::sockaddr_storage).cast();
-            m
-        })
+        .map(|(iovec, sender)| header(iovec, sender, 0))
         .collect();
     let mut replies = Replies::default();
     let fd = socket.as_raw_fd();
@@ -290,6 +283,22 @@ fn read(socket: &UdpSocket, channels: &Channels, shutdown: &watch::Receiver<bool
     }
 }
 
+/// The header of one datagram of a `recvmmsg` or `sendmmsg`: its one buffer, and the
+/// address it came from or goes to (`len` bytes of it; a read sets its own).
+fn header(
+    iovec: &mut libc::iovec,
+    address: &mut libc::sockaddr_storage,
+    len: libc::socklen_t,
+) -> libc::mmsghdr {
+    // SAFETY: mmsghdr is plain data; all zeros is an empty header.
+    let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+    m.msg_hdr.msg_iov = iovec;
+    m.msg_hdr.msg_iovlen = 1;
+    m.msg_hdr.msg_name = (address as *mut libc::sockaddr_storage).cast();
+    m.msg_hdr.msg_namelen = len;
+    m
+}
+
 /// Leases to send back, each to the address its beat came from.
 #[derive(Default)]
 struct Replies {
@@ -318,15 +327,7 @@ impl Replies {
         let mut messages: Vec<libc::mmsghdr> = iovecs
             .iter_mut()
             .zip(self.to.iter_mut())
-            .map(|(iovec, (to, len))| {
-                // SAFETY: mmsghdr is plain data; all zeros is an empty header.
-                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                m.msg_hdr.msg_iov = iovec;
-                m.msg_hdr.msg_iovlen = 1;
-                m.msg_hdr.msg_name = (to as *mut libc::sockaddr_storage).cast();
-                m.msg_hdr.msg_namelen = *len;
-                m
-            })
+            .map(|(iovec, (to, len))| header(iovec, to, *len))
             .collect();
         let mut sent = 0;
         while sent < messages.len() {

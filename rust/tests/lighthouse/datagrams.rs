@@ -264,20 +264,33 @@ async fn tcp_only_forwarder(to: SocketAddr) -> (SocketAddr, std::net::UdpSocket,
     (at, sink, forwarding)
 }
 
+/// Opens group g's stream through `client` and beats until beat 30, 1.5 s in (three
+/// heartbeat timeouts), is leased: where datagrams or their leases are lost, it and
+/// the beats before it since the fallback came on the stream.
+async fn beating_past_the_fallback(
+    client: &LighthouseClient,
+) -> (phalanx::lighthouse::wire::BeatEvents, JoinHandle<()>) {
+    let hb = open_heartbeat(client, "g").await.expect("the stream opens");
+    let mut events = hb.events;
+    let beating = keep_beating_plain(hb.beats);
+    leased_from(&mut events, 30, false).await;
+    (events, beating)
+}
+
+/// Group g is live, and no group ever timed out.
+async fn live_and_never_timed_out(addr: SocketAddr, client: &LighthouseClient) {
+    let status = status_rpc(client).await;
+    assert!(connected(&status, "g"), "{status:?}");
+    let timeouts = "phalanx_lighthouse_evictions_total{cause=\"heartbeat_timeout\"}";
+    assert_eq!(metric(addr, None, timeouts).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_whose_datagrams_are_lost_falls_back_to_its_stream_stays_live_and_comes_back() {
     let (_lighthouse, addr) = start(1).await;
     let (through, lost, forwarding) = tcp_only_forwarder(addr).await;
     let client = client(through);
-    let hb = open_heartbeat(&client, "g")
-        .await
-        .expect("the stream opens");
-    let mut events = hb.events;
-    let beating = keep_beating_plain(hb.beats);
-
-    // Beat 30 comes 1.5 s in, three heartbeat timeouts (and leases): it and the
-    // beats before it since the fallback came on the stream.
-    leased_from(&mut events, 30, false).await;
+    let (mut events, beating) = beating_past_the_fallback(&client).await;
     let mut tried = 0;
     let mut buf = [0u8; 256];
     while lost.recv(&mut buf).is_ok() {
@@ -289,17 +302,7 @@ async fn a_group_whose_datagrams_are_lost_falls_back_to_its_stream_stays_live_an
         "{tried} datagrams tried before falling back and since"
     );
     assert_eq!(metric(addr, None, TAKEN).await, 0);
-    let status = status_rpc(&client).await;
-    assert!(connected(&status, "g"), "{status:?}");
-    assert_eq!(
-        metric(
-            addr,
-            None,
-            "phalanx_lighthouse_evictions_total{cause=\"heartbeat_timeout\"}"
-        )
-        .await,
-        0
-    );
+    live_and_never_timed_out(addr, &client).await;
 
     // UDP passes again: a probe gets through, its lease brings the group back to
     // datagrams, and its beats come as datagrams from then on.
@@ -345,31 +348,14 @@ async fn a_group_that_hears_no_lease_datagrams_falls_back_to_its_stream_and_stay
     let (through, relay, forwarding) = tcp_only_forwarder(addr).await;
     let relaying = udp_relay(relay, addr, false);
     let client = client(through);
-    let hb = open_heartbeat(&client, "g")
-        .await
-        .expect("the stream opens");
-    let mut events = hb.events;
-    let beating = keep_beating_plain(hb.beats);
-
-    // Beat 30 comes 1.5 s in: leased on the stream since the group fell back.
-    leased_from(&mut events, 30, false).await;
+    let (_events, beating) = beating_past_the_fallback(&client).await;
     let taken = metric(addr, None, TAKEN).await;
     assert!(
         (3..=8).contains(&taken),
         "{taken} datagrams taken before falling back and since"
     );
     assert!(metric(addr, None, LEASES).await > 0);
-    let status = status_rpc(&client).await;
-    assert!(connected(&status, "g"), "{status:?}");
-    assert_eq!(
-        metric(
-            addr,
-            None,
-            "phalanx_lighthouse_evictions_total{cause=\"heartbeat_timeout\"}"
-        )
-        .await,
-        0
-    );
+    live_and_never_timed_out(addr, &client).await;
     beating.abort();
     forwarding.abort();
     relaying.abort();

@@ -251,7 +251,11 @@ fn the_groups_outside_the_quorum_are_looked_at_again_when_one_is_due_or_the_look
     trained(&b, ms(1000), 0, 0);
     trained(&a, ms(5900), 0, 0);
     assert_eq!(s.evict_stalled(ms(5900)), (vec![], false));
-    assert_eq!(s.next_stall(ms(5900)), Some(ms(6000)), "the look found b due");
+    assert_eq!(
+        s.next_stall(ms(5900)),
+        Some(ms(6000)),
+        "the look found b due"
+    );
     assert_eq!(s.evict_stalled(ms(6000)).0, ["b".to_string()]);
 
     // c reports its first step (it becomes one of them) after a look: found at the
@@ -260,7 +264,11 @@ fn the_groups_outside_the_quorum_are_looked_at_again_when_one_is_due_or_the_look
     trained(&c, ms(4000), 0, 0);
     assert_eq!(s.evict_stalled(ms(9000)), (vec![], false), "c at step 0");
     assert!(c.beat(ms(9050), 5, 1));
-    assert_eq!(s.evict_stalled(ms(9100)), (vec![], false), "the look stands");
+    assert_eq!(
+        s.evict_stalled(ms(9100)),
+        (vec![], false),
+        "the look stands"
+    );
     assert_eq!(
         s.evict_stalled(ms(9000) + stall::RELOOK).0,
         ["c".to_string()]
