@@ -115,6 +115,7 @@ def measure(args: argparse.Namespace, transport: str) -> dict[str, float]:
     evicted = beaten["evictions"] - before["evictions"]
     latencies = [s * 1e3 for s, _, _ in timings]
     beats = beaten["beats"] - before["beats"]
+
     def counted(name: str) -> float:
         return beaten.get(name, 0.0) - before.get(name, 0.0)
 
@@ -208,9 +209,8 @@ def main() -> None:
         ]
         if t == "datagrams":
             rows.append((f"{t}: share of beats as datagrams", result[t]["beats_as_datagrams"]))
-            rows.append(
-                (f"{t}: leases sent as datagrams per beat", result[t]["leases_as_datagrams_per_beat"])
-            )
+            leases = result[t]["leases_as_datagrams_per_beat"]
+            rows.append((f"{t}: leases sent as datagrams per beat", leases))
     if runs.get("datagrams") and runs.get("framed"):
         ratio = median("framed", "us_per_beat") / median("datagrams", "us_per_beat")
         result["framed_over_datagrams_cpu_per_beat"] = round(ratio, 2)
