@@ -19,6 +19,7 @@ pub mod manager;
 pub mod proto;
 pub mod quorum;
 pub mod server;
+mod sockopt;
 pub mod state;
 pub mod store;
 mod transport;

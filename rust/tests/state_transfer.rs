@@ -139,6 +139,39 @@ async fn every_byte_arrives_striped_over_all_sources() {
     }
 }
 
+/// A healing link asks the kernel to wake it only once a whole piece has arrived;
+/// an answer whose last bytes are fewer must still wake it, at once, not after the
+/// stall timeout (each chunk here ends a few bytes past a piece, and the window has
+/// grown past one segment by then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_few_bytes_of_every_answer_wake_the_healing_link() {
+    let source = state(&[24 * MIB + 5, 7]);
+    let server = serve(&source, ServerOptions::default()).await;
+    let mut healed = zeroed_like(&source);
+    let stall = Duration::from_secs(1);
+    let started = Instant::now();
+    let stats = fetch(
+        &[server.address().to_string()],
+        &mut healed,
+        FetchOptions {
+            connections_per_source: 1,
+            chunk_bytes: 3 * MIB as u64 + 3,
+            stall_timeout: stall,
+            ..options()
+        },
+    )
+    .await
+    .expect("the heal completes");
+    assert!(healed == source, "healed bytes differ from the source");
+    assert_eq!((stats.refetches, stats.chunks), (0, 9));
+    assert!(
+        started.elapsed() < stall,
+        "the heal waited {:?}: a read slept through an answer's last bytes",
+        started.elapsed()
+    );
+    server.shutdown().await.unwrap();
+}
+
 /// A loopback relay to `upstream`, and a flag it raises once `upstream` has answered
 /// through it: the event that tells a test a fetch has asked.
 async fn relay(upstream: String) -> (String, watch::Receiver<bool>) {

@@ -23,7 +23,7 @@ use crate::proto;
 
 /// The socket's queue of leases not read yet: a lighthouse sends a batch's leases at
 /// once, and a process may hold thousands of groups (a load generator).
-const RECEIVE_BUFFER: libc::c_int = 4 << 20;
+const RECEIVE_BUFFER: usize = 4 << 20;
 
 /// Where a stream's beats go as datagrams, and whether they still do; while it lives,
 /// leases that come back for its channel go to its stream's events.

@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use super::beats::BeatSink;
 use super::metrics::SiteMetrics;
 use crate::datagram::{self, DatagramLease, Dropped, Key, Sealer, Sequence, LEASE_LEN};
-use crate::proto;
+use crate::{proto, sockopt};
 
 /// Datagrams read by one `recvmmsg` at most: more than `GATHER` of 10,000 groups'
 /// beats at 10 Hz.
@@ -40,7 +40,7 @@ const LOOK_EVERY: Duration = Duration::from_millis(100);
 
 /// The kernel's queue of datagrams not read yet: 10,000 groups' beats that arrive
 /// together while the thread is busy must not overflow it.
-const RECEIVE_BUFFER: libc::c_int = 8 << 20;
+const RECEIVE_BUFFER: usize = 8 << 20;
 
 /// The channels of the open framed streams, by id.
 pub(crate) struct Channels {
@@ -185,21 +185,9 @@ pub(crate) fn bind(at: SocketAddr) -> io::Result<UdpSocket> {
 
 /// Asks for a queue of `size` bytes of datagrams not read yet on `socket`: beyond
 /// net.core.rmem_max where the process may (root), else up to it.
-pub(crate) fn enlarge_queue(socket: &UdpSocket, size: libc::c_int) {
-    let fd = socket.as_raw_fd();
+pub(crate) fn enlarge_queue(socket: &UdpSocket, size: usize) {
     for option in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
-        // SAFETY: `size` is a c_int that lives across the call, and its length is
-        // given; `fd` is the socket's, open while `socket` lives.
-        let set = unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                option,
-                (&size as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if set == 0 {
+        if sockopt::set_int(socket.as_raw_fd(), libc::SOL_SOCKET, option, size).is_ok() {
             break;
         }
     }
