@@ -172,6 +172,38 @@ async fn the_last_few_bytes_of_every_answer_wake_the_healing_link() {
     server.shutdown().await.unwrap();
 }
 
+/// A source that sends all along but fills a piece more slowly than the stall
+/// timeout (here paced to 1 MB/s against 400 ms) is not taken for failed: the link
+/// gives up waiting for whole pieces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_slower_than_a_piece_per_stall_timeout_is_not_taken_for_failed() {
+    let source = state(&[2 * MIB + 9]);
+    let server = serve(
+        &source,
+        ServerOptions {
+            max_bytes_per_s: Some(1e6),
+            ..ServerOptions::default()
+        },
+    )
+    .await;
+    let mut healed = zeroed_like(&source);
+    let stats = fetch(
+        &[server.address().to_string()],
+        &mut healed,
+        FetchOptions {
+            connections_per_source: 1,
+            chunk_bytes: 2 * MIB as u64 + 9,
+            stall_timeout: Duration::from_millis(400),
+            ..options()
+        },
+    )
+    .await
+    .expect("the heal completes");
+    assert!(healed == source, "healed bytes differ from the source");
+    assert_eq!(stats.refetches, 0);
+    server.shutdown().await.unwrap();
+}
+
 /// A loopback relay to `upstream`, and a flag it raises once `upstream` has answered
 /// through it: the event that tells a test a fetch has asked.
 async fn relay(upstream: String) -> (String, watch::Receiver<bool>) {

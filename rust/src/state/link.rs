@@ -161,10 +161,11 @@ impl Link {
     /// Asks the kernel to report the socket readable only once `bytes` have arrived
     /// (SO_RCVLOWAT). Left at one byte, every segment that lands wakes the reader for
     /// a read of what little is there; a 1 GiB heal read in ~170 KB bites, and each
-    /// read's window update is one more packet for the sender to take. Woken per piece
-    /// instead, the receiving end of a loopback heal spent a quarter less CPU. The mark is never
-    /// above what the link still waits for, so the last bytes of an answer still wake
-    /// it; and the kernel wakes a reader whose buffer is full whatever the mark.
+    /// read's window update is one more packet for the sender to take. Woken per
+    /// piece instead, the receiving end of a loopback heal spent a quarter less CPU.
+    /// The mark is never above what the link still waits for, so the last bytes of an
+    /// answer still wake it; the kernel wakes a reader whose buffer is full whatever the mark; and a
+    /// link too slow to fill a piece gives its mark up (`read_some`).
     fn wake_at(&mut self, bytes: usize) {
         let Some(now) = self.lowat else { return };
         let bytes = bytes.clamp(1, PIECE);
@@ -200,6 +201,29 @@ impl Link {
         ))
     }
 
+    /// One read, bounded by the stall timeout. A slow source (a capped link, a paced
+    /// server) may not fill a piece within it while it sends all along: after half
+    /// the timeout with nothing read, the link gives up its mark for good and waits
+    /// the other half for any byte, so only a source silent for the whole timeout
+    /// is taken for failed.
+    async fn read_some(&mut self, buf: &mut [u8]) -> Result<usize, Error> {
+        let mut wait = self.ask.stall;
+        if self.lowat.is_some_and(|mark| mark > 1) {
+            wait = self.ask.stall / 2;
+            if let Ok(read) = tokio::time::timeout(wait, self.stream.read(buf)).await {
+                return read.map_err(|e| self.lost("mid-answer", e));
+            }
+            // Lowering the mark below what is queued makes the socket readable.
+            let _ = set_receive_low_water(&self.stream, 1);
+            self.lowat = None;
+            wait = self.ask.stall - wait;
+        }
+        match tokio::time::timeout(wait, self.stream.read(buf)).await {
+            Ok(read) => read.map_err(|e| self.lost("mid-answer", e)),
+            Err(_) => Err(self.stalled()),
+        }
+    }
+
     /// Fills `buf`, each read bounded by the stall timeout; feeds `crc` what arrived.
     async fn read_into(
         &mut self,
@@ -210,13 +234,9 @@ impl Link {
         while filled < buf.len() {
             let end = buf.len().min(filled + PIECE);
             self.wake_at(end - filled);
-            let read =
-                tokio::time::timeout(self.ask.stall, self.stream.read(&mut buf[filled..end])).await;
-            let n = match read {
-                Ok(Ok(0)) => return Err(self.lost("mid-answer", "connection closed")),
-                Ok(Ok(n)) => n,
-                Ok(Err(e)) => return Err(self.lost("mid-answer", e)),
-                Err(_) => return Err(self.stalled()),
+            let n = match self.read_some(&mut buf[filled..end]).await? {
+                0 => return Err(self.lost("mid-answer", "connection closed")),
+                n => n,
             };
             if let Some(crc) = crc.as_deref_mut() {
                 crc.update(&buf[filled..filled + n]);
