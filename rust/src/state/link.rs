@@ -164,8 +164,8 @@ impl Link {
     /// read's window update is one more packet for the sender to take. Woken per
     /// piece instead, the receiving end of a loopback heal spent a quarter less CPU.
     /// The mark is never above what the link still waits for, so the last bytes of an
-    /// answer still wake it; the kernel wakes a reader whose buffer is full whatever the mark; and a
-    /// link too slow to fill a piece gives its mark up (`read_some`).
+    /// answer still wake it; the kernel wakes a reader whose buffer is full whatever
+    /// the mark; and a link too slow to fill a piece gives its mark up (`read_some`).
     fn wake_at(&mut self, bytes: usize) {
         let Some(now) = self.lowat else { return };
         let bytes = bytes.clamp(1, PIECE);
