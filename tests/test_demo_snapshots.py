@@ -54,6 +54,12 @@ def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
         # The redone steps are of the new lineage the lighthouse started.
         assert (str(loss["resumed_from_step"]), str(loss["lineage"])) in rollbacks, ranks_log
         assert loss["lineage"] != loss["newest_lineage"]
+        if loss["steps_lost"] == 0:
+            # Lost right after a snapshot of its newest step (steps are slow under load):
+            # the job went on from the next one, with nothing to redo.
+            assert loss["resumed_from_step"] == loss["newest_step"] + 1, loss
+            assert loss["lost_steps"] == loss["redone_steps"] == [], loss
+            continue
         first, last = loss["lost_steps"]
         assert (first, last) == (loss["resumed_from_step"], loss["newest_step"])
         assert loss["steps_lost"] == last + 1 - first
@@ -77,6 +83,7 @@ def test_the_demo_resumes_from_a_snapshot_after_every_group_is_killed(tmp_path):
     assert redone == {
         n
         for loss in report["job_losses"]
+        if loss["lost_steps"]
         for n in range(loss["lost_steps"][0], loss["lost_steps"][1] + 1)
     }
     assert "whole-job losses / job back" in done.stdout
