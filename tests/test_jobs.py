@@ -78,7 +78,10 @@ def test_two_jobs_train_side_by_side_on_one_lighthouse_each_behind_its_own_token
         # a's token sees a's job only; the lighthouse's sees both and the default.
         a_token = _core.job_token(SECRET, "a")
         status = _core.LighthouseClient(lighthouse.address, token=a_token, job="a").status(5.0)
-        assert status.min_replicas == 2
+        assert (status.min_replicas, status.join_timeout_ms) == (2, 200)
+        b_token = _core.job_token(SECRET, "b")
+        status = _core.LighthouseClient(lighthouse.address, token=b_token, job="b").status(5.0)
+        assert (status.min_replicas, status.join_timeout_ms) == (1, 5000)
         code, body = http_get(f"{lighthouse.status_url}status?job=b", token=a_token)
         assert code == 401, body
         code, body = http_get(f"{lighthouse.status_url}status?job=b", token=SECRET)
