@@ -51,9 +51,13 @@ def train(lighthouse: phalanx.LighthouseServer, job: str, rules: str | None):
 
 def test_two_jobs_train_side_by_side_on_one_lighthouse_each_behind_its_own_token():
     with phalanx.LighthouseServer(token=SECRET, join_timeout=0.2) as lighthouse:
-        # The same replica ids in both jobs: each job has its own. b waits longer than
-        # the lighthouse's 0.2 s for its second group (a loaded machine can take that).
-        jobs = {"a": ("min_replicas=2", ("g1", "g2")), "b": ("join_timeout_ms=5000", ("g3", "g4"))}
+        # The same replica ids in both jobs: each job has its own. Both wait for their
+        # two groups (with one, the first to ask would go a step ahead alone), b longer
+        # than the lighthouse's 0.2 s for a late one.
+        jobs = {
+            "a": ("min_replicas=2", ("g1", "g2")),
+            "b": ("min_replicas=2,join_timeout_ms=5000", ("g3", "g4")),
+        }
         results = {}
         errors = []
 
@@ -81,14 +85,19 @@ def test_two_jobs_train_side_by_side_on_one_lighthouse_each_behind_its_own_token
         assert (status.min_replicas, status.join_timeout_ms) == (2, 200)
         b_token = _core.job_token(SECRET, "b")
         status = _core.LighthouseClient(lighthouse.address, token=b_token, job="b").status(5.0)
-        assert (status.min_replicas, status.join_timeout_ms) == (1, 5000)
+        assert (status.min_replicas, status.join_timeout_ms) == (2, 5000)
+        # A job that declares no rules at all runs by the lighthouse's.
+        c = _core.LighthouseClient(lighthouse.address, token=_core.job_token(SECRET, "c"), job="c")
+        assert [m.replica_id for m in c.quorum("g1", timeout=5.0).participants] == ["g1"]
+        status = c.status(5.0)
+        assert (status.min_replicas, status.join_timeout_ms) == (1, 200)
         code, body = http_get(f"{lighthouse.status_url}status?job=b", token=a_token)
         assert code == 401, body
         code, body = http_get(f"{lighthouse.status_url}status?job=b", token=SECRET)
         assert code == 200, body
         page = json.loads(body)
-        assert page["min_replicas"] == 1, "b declared no min_replicas: the lighthouse's"
-        assert sorted(j["job"] for j in page["jobs"]) == ["a", "b", "default"]
+        assert page["min_replicas"] == 2
+        assert sorted(j["job"] for j in page["jobs"]) == ["a", "b", "c", "default"]
         with pytest.raises(PermissionError, match="token for job b"):
             _core.LighthouseClient(lighthouse.address, token=a_token, job="b").status(5.0)
 
