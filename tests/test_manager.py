@@ -180,9 +180,9 @@ def test_no_event_is_none_after_the_timeout(group):
 
 def test_a_group_that_shuts_down_is_reported_to_the_others_at_once():
     kw = {"heartbeat_interval": HEARTBEAT_INTERVAL}
-    # A quorum of both: the first to ask waits up to 3 s for the other (0.2 s, the
-    # shared fixture's, is not enough on a loaded machine); one of a alone, once b left,
-    # forms at once, every live group having asked.
+    # A quorum of both: once both beat, the first to ask waits up to 3 s for the other
+    # (0.2 s, the shared fixture's, is not enough on a loaded machine); one of a alone,
+    # once b left, forms at once, every live group having asked.
     with (
         phalanx.LighthouseServer(
             join_timeout=3.0, heartbeat_timeout=HEARTBEAT_TIMEOUT
@@ -191,6 +191,8 @@ def test_a_group_that_shuts_down_is_reported_to_the_others_at_once():
     ):
         b = phalanx.ManagerServer("b", lighthouse.address, **kw)
         try:
+            watcher = phalanx.LighthouseClient(lighthouse.address)
+            wait_until(lambda: len(watcher.status().replicas) == 2, 10.0, "a and b beat")
             a_rank, b_rank = phalanx.ManagerClient(a.address), phalanx.ManagerClient(b.address)
             a_rank.subscribe_events()
             quorums = together(
