@@ -153,13 +153,45 @@ impl Groups for Watch<'_> {
         Box::new(self.replicas.keys().map(String::as_str))
     }
     fn watched(&self, replica_id: &str) -> Watched {
-        let replica = self.replicas.get(replica_id);
-        Watched {
-            training: replica.and_then(|r| r.pulse.training()),
-            asked_at: self.joiners.get(replica_id).map(|j| j.joined_at),
-            step: replica.map_or(0, |r| r.pulse.step()),
-            stream_opened_at: replica.and_then(|r| r.stream.as_ref().map(|s| s.opened_at)),
-        }
+        let asked_at = self.joiners.get(replica_id).map(|j| j.joined_at);
+        watched(self.replicas.get(replica_id), asked_at)
+    }
+
+    /// The quorum's members and the joiners are both in replica-id order: one merged
+    /// walk finds which members ask, where a search of the joiners per member would
+    /// compare a dozen ids or more.
+    fn members(&self) -> Box<dyn Iterator<Item = (&str, Watched)> + '_> {
+        let mut joiners = self.joiners.iter().peekable();
+        let ids = self.quorum.into_iter().flat_map(Quorum::replica_ids);
+        Box::new(ids.map(move |id| {
+            while joiners.next_if(|(j, _)| j.as_str() < id).is_some() {}
+            let asked_at = joiners
+                .next_if(|(j, _)| j.as_str() == id)
+                .map(|(_, j)| j.joined_at);
+            (id, watched(self.replicas.get(id), asked_at))
+        }))
+    }
+
+    /// Each group's own record first (one that reports no training or never stepped
+    /// is never due), then a search of the quorum's sorted members, and only for the
+    /// groups outside it, of the joiners.
+    fn dropped(&self) -> Box<dyn Iterator<Item = (&str, Instant)> + '_> {
+        Box::new(self.replicas.iter().filter_map(|(id, replica)| {
+            let at = stall::dropped_at(&watched(Some(replica), None))?;
+            let inside = self.quorum.is_some_and(|q| q.contains(id));
+            (!inside && !self.joiners.contains_key(id)).then_some((id.as_str(), at))
+        }))
+    }
+}
+
+/// A group as stall detection sees it: what its record says (none: it is not live),
+/// and when it asked for the next quorum.
+fn watched(replica: Option<&Replica>, asked_at: Option<Instant>) -> Watched {
+    Watched {
+        training: replica.and_then(|r| r.pulse.training()),
+        asked_at,
+        step: replica.map_or(0, |r| r.pulse.step()),
+        stream_opened_at: replica.and_then(|r| r.stream.as_ref().map(|s| s.opened_at)),
     }
 }
 

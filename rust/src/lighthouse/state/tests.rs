@@ -578,7 +578,7 @@ fn a_stall_is_judged_by_the_earliest_wait_of_the_other_members() {
         }
         let quorum = s.previous.clone().unwrap();
         let watch = s.watch();
-        let waits = stall::EarliestWaits::of(&watch, &quorum);
+        let waits = stall::EarliestWaits::of(&watch);
         for (k, id) in quorum.replica_ids().enumerate() {
             assert_eq!(
                 stall::member_due(k, &watch.watched(id), &waits),
@@ -586,6 +586,59 @@ fn a_stall_is_judged_by_the_earliest_wait_of_the_other_members() {
                 "round {round}, member {id}"
             );
         }
+    }
+}
+
+#[test]
+fn the_walks_over_the_members_and_the_dropped_find_what_a_lookup_per_group_finds() {
+    let t = Instant::now();
+    let mut rng = Lcg(29);
+    for round in 0..50 {
+        let mut s = state();
+        // Ids whose order as text is not their number's ("g10" < "g2").
+        let n = 1 + rng.below(14) as usize;
+        let ids: Vec<String> = (0..n).map(|i| format!("g{}", 3 * i)).collect();
+        let inside = 1 + rng.below(n as u64) as usize;
+        let mut streams = Vec::new();
+        for id in &ids[..inside] {
+            streams.push(open(&mut s, id, t));
+        }
+        let names: Vec<&str> = ids[..inside].iter().map(String::as_str).collect();
+        form_quorum(&mut s, &names, t);
+        for id in &ids[inside..] {
+            streams.push(open(&mut s, id, t));
+        }
+        let now = t + Duration::from_millis(10_000);
+        for (((_, pulse), _), id) in streams.iter().zip(&ids) {
+            if rng.below(2) == 0 {
+                assert!(pulse.beat(now, rng.below(3) as i64, 1));
+                trained(pulse, now, rng.below(9000), 1000 * rng.below(2));
+            }
+            if rng.below(3) == 0 {
+                join_at_step(&mut s, id, 1, now - Duration::from_millis(rng.below(3000)));
+            }
+        }
+        // A group that asks without a stream of its own.
+        join_at_step(&mut s, "g0-alone", 1, now);
+        let watch = s.watch();
+        let quorum = s.previous.as_ref().unwrap();
+        let looked_up: Vec<_> = quorum
+            .replica_ids()
+            .map(|id| (id, watch.watched(id)))
+            .collect();
+        assert_eq!(
+            watch.members().collect::<Vec<_>>(),
+            looked_up,
+            "round {round}"
+        );
+        let mut dropped: Vec<_> = watch.dropped().collect();
+        let mut each: Vec<_> = watch
+            .ids()
+            .filter_map(|id| stall::dropped_due(&watch, id).map(|at| (id, at)))
+            .collect();
+        dropped.sort();
+        each.sort();
+        assert_eq!(dropped, each, "round {round}");
     }
 }
 
