@@ -54,9 +54,9 @@ pub trait Groups {
     fn ids(&self) -> Box<dyn Iterator<Item = &str> + '_>;
     fn watched(&self, replica_id: &str) -> Watched;
 
-    /// The members of the quorum in its order, each as `watched` has it. A judgement
-    /// reads every member twice, so a lighthouse finds them in one walk where it can
-    /// (beside 10,000 members, a lookup each was most of a judgement's time).
+    /// The members of the quorum in its order, each as `watched` has it, found in one
+    /// walk where the lighthouse can (beside 10,000 members, a lookup each was most of
+    /// a judgement's time).
     fn members(&self) -> Box<dyn Iterator<Item = (&str, Watched)> + '_> {
         let ids = self.quorum().into_iter().flat_map(Quorum::replica_ids);
         Box::new(ids.map(|id| (id, self.watched(id))))
@@ -137,9 +137,10 @@ impl Stalls {
             });
         }
         if groups.quorum().is_some() {
-            let waits = EarliestWaits::of(groups);
-            for (k, (id, member)) in groups.members().enumerate() {
-                match member_due(k, &member, &waits) {
+            let members: Vec<_> = groups.members().collect();
+            let waits = EarliestWaits::of(&members);
+            for (k, (id, member)) in members.iter().enumerate() {
+                match member_due(k, member, &waits) {
                     (_, Some(at)) if at <= now => stalled.push(id.to_string()),
                     (Some(due), None) if due <= now => overdue = true,
                     _ => {}
@@ -168,12 +169,13 @@ impl Stalls {
 
 fn next_member(groups: &impl Groups, now: Instant) -> Option<Instant> {
     groups.quorum()?;
-    let waits = EarliestWaits::of(groups);
-    groups
-        .members()
+    let members: Vec<_> = groups.members().collect();
+    let waits = EarliestWaits::of(&members);
+    members
+        .iter()
         .enumerate()
         .flat_map(|(k, (_, member))| {
-            let (due, evict_at) = member_due(k, &member, &waits);
+            let (due, evict_at) = member_due(k, member, &waits);
             [due, evict_at].into_iter().flatten().filter(|at| *at > now)
         })
         .min()
@@ -198,10 +200,10 @@ pub struct EarliestWaits {
 }
 
 impl EarliestWaits {
-    /// Found in one pass over the members of the quorum.
-    pub fn of(groups: &impl Groups) -> Self {
+    /// Found in one pass over the members of the quorum, in its order.
+    pub fn of(members: &[(&str, Watched)]) -> Self {
         let mut waits = EarliestWaits::default();
-        for (k, (_, member)) in groups.members().enumerate() {
+        for (k, (_, member)) in members.iter().enumerate() {
             let Some(since) = member.waiting_since() else {
                 continue;
             };

@@ -793,8 +793,9 @@ impl LighthouseState {
             let update = delta::between(known, &sent)?;
             Some((known.issue, Bytes::from(update.encode_to_vec())))
         });
+        let mut members = quorum.in_order();
+        self.joiners.retain(|id, _| !members.contains(id));
         for id in quorum.replica_ids() {
-            self.joiners.remove(id);
             if let Some(p) = self.pending.remove(id) {
                 let answer = match &update {
                     Some((base, update)) if p.known_issue == *base => {
@@ -822,7 +823,8 @@ impl LighthouseState {
         // Leases name the new quorum from now on; a member of the old one left out
         // of it holds none.
         if let Some(old) = &self.previous {
-            for id in old.replica_ids().filter(|id| !quorum.contains(id)) {
+            let mut members = quorum.in_order();
+            for id in old.replica_ids().filter(|id| !members.contains(id)) {
                 if let Some(r) = self.replicas.get(id) {
                     r.pulse.set_lease_quorum(0);
                 }

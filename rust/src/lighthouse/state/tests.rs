@@ -578,7 +578,7 @@ fn a_stall_is_judged_by_the_earliest_wait_of_the_other_members() {
         }
         let quorum = s.previous.clone().unwrap();
         let watch = s.watch();
-        let waits = stall::EarliestWaits::of(&watch);
+        let waits = stall::EarliestWaits::of(&watch.members().collect::<Vec<_>>());
         for (k, id) in quorum.replica_ids().enumerate() {
             assert_eq!(
                 stall::member_due(k, &watch.watched(id), &waits),
@@ -640,6 +640,34 @@ fn the_walks_over_the_members_and_the_dropped_find_what_a_lookup_per_group_finds
         each.sort();
         assert_eq!(dropped, each, "round {round}");
     }
+}
+
+#[test]
+fn a_group_kept_out_of_a_quorum_still_asks_for_the_next_one() {
+    let t = Instant::now();
+    let mut s = state();
+    let _streams = [open(&mut s, "a", t), open(&mut s, "c", t)];
+    form_quorum(&mut s, &["a", "c"], t);
+    // b, between the members in replica-id order, asks while a asks to shrink only.
+    let _b = open(&mut s, "b", t);
+    let (b_tx, mut b_reply) = oneshot::channel();
+    s.join(member("b"), 1, t, b_tx).unwrap();
+    let shrink_only = quorum::Member {
+        shrink_only: true,
+        ..member("a")
+    };
+    let (a_tx, _a_reply) = oneshot::channel();
+    s.join(shrink_only, 1, t, a_tx).unwrap();
+    let (c_tx, _c_reply) = oneshot::channel();
+    s.join(member("c"), 1, t, c_tx).unwrap();
+    s.evaluate(t, 0).expect("a quorum of a and c");
+    let asking: Vec<&str> = s.joiners.keys().map(String::as_str).collect();
+    assert_eq!(
+        asking,
+        ["b"],
+        "the members' requests were answered, b's stands"
+    );
+    assert!(b_reply.try_recv().is_err(), "b is not answered yet");
 }
 
 #[test]
