@@ -55,9 +55,12 @@ impl NewestState {
                 // held the newest one is gone (a replica id is live once at a time).
                 self.holders.remove(replica_id);
             }
-            Some(state) if identity == state => {
-                self.holders.insert(replica_id.to_string(), now);
-            }
+            Some(state) if identity == state => match self.holders.get_mut(replica_id) {
+                Some(seen) => *seen = now,
+                None => {
+                    self.holders.insert(replica_id.to_string(), now);
+                }
+            },
             _ => {
                 self.state = Some(identity);
                 self.holders.clear();
@@ -67,10 +70,12 @@ impl NewestState {
         }
     }
 
-    /// A holder still lives at `now` (its heartbeat beats).
-    pub fn seen(&mut self, replica_id: &str, now: Instant) {
-        if let Some(at) = self.holders.get_mut(replica_id) {
-            *at = now;
+    /// The holders that still live at `now` (their heartbeats beat) were seen then.
+    pub fn see_live(&mut self, lives: impl Fn(&str) -> bool, now: Instant) {
+        for (id, seen) in &mut self.holders {
+            if lives(id) {
+                *seen = now;
+            }
         }
     }
 
@@ -146,8 +151,9 @@ mod tests {
         n.observe("g1", at(10, 2), t);
         n.observe("g3", at(10, 2), t);
         n.observe("g2", at(4, 1), t);
-        n.seen("g3", t + Duration::from_secs(5));
-        n.seen("g2", t + Duration::from_secs(9)); // not a holder: no effect
+        n.see_live(|id| id == "g3", t + Duration::from_secs(5));
+        // g2 is not a holder: seeing it has no effect.
+        n.see_live(|id| id == "g2", t + Duration::from_secs(9));
         assert_eq!(
             n.newest(),
             Some(Newest {

@@ -680,20 +680,11 @@ impl LighthouseState {
 
     /// The groups that hold the newest state and beat are seen alive now.
     fn see_live_holders(&mut self, now: Instant) {
-        let horizon = now.checked_sub(self.heartbeat_timeout);
-        let live: Vec<ReplicaId> = self
-            .newest
-            .holders()
-            .filter(|id| {
-                self.replicas
-                    .get(*id)
-                    .is_some_and(|r| horizon.is_none_or(|h| r.pulse.last_beat() > h))
-            })
-            .map(str::to_string)
-            .collect();
-        for id in live {
-            self.newest.seen(&id, now);
-        }
+        let live = Fresh {
+            replicas: &self.replicas,
+            horizon: now.checked_sub(self.heartbeat_timeout),
+        };
+        self.newest.see_live(|id| live.is_live(id), now);
     }
 
     /// The job's newest committed state, as far as this lighthouse knows.
