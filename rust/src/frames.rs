@@ -12,6 +12,8 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 
+use crate::proto::{self, lighthouse_event::Event};
+
 /// The first bytes of a framed connection. Its first byte, 0xFF, starts no HTTP/1
 /// request (a method's letter) and no HTTP/2 connection ("PRI * HTTP/2.0"), so one
 /// byte tells the two apart; the rest names the framing and its version.
@@ -39,6 +41,61 @@ pub fn encode(message: &impl Message, out: &mut BytesMut) {
     message
         .encode(out)
         .expect("the buffer was reserved for the message");
+}
+
+/// A quorum (or quorum update) this large or larger in an answer is not copied into a
+/// stream's buffer: see `encode_sharing`.
+pub const SHARED: usize = 64 << 10;
+
+/// Appends `event` to `out` as one frame, as `encode` does, but for a quorum or quorum
+/// update of `SHARED` bytes or more in an answer: the frame then ends with those
+/// bytes, returned to be written after `out` from where they lie. One quorum goes to
+/// every member of a round, and a whole one of 10,000 members is a megabyte: copied
+/// into each stream's buffer first, that was 10 GB of copies (and 10,000 buffers of
+/// a megabyte) for a first round. The frame decodes to the same message; the shared
+/// field comes last in it, where protobuf allows any order.
+pub fn encode_sharing(event: &proto::LighthouseEvent, out: &mut BytesMut) -> Option<Bytes> {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+    const QUORUM: u32 = 2;
+    const UPDATE: u32 = 5;
+    const ANSWER: u32 = 3;
+    let Some(Event::Answer(answer)) = &event.event else {
+        encode(event, out);
+        return None;
+    };
+    let (tag, shared) = match (answer.quorum.len(), answer.update.len()) {
+        (n, _) if n >= SHARED => (QUORUM, &answer.quorum),
+        (_, n) if n >= SHARED => (UPDATE, &answer.update),
+        _ => {
+            encode(event, out);
+            return None;
+        }
+    };
+    let rest = proto::QuorumAnswer {
+        quorum: if tag == QUORUM {
+            Bytes::new()
+        } else {
+            answer.quorum.clone()
+        },
+        update: if tag == UPDATE {
+            Bytes::new()
+        } else {
+            answer.update.clone()
+        },
+        ..answer.clone()
+    };
+    let shared_len = shared.len() as u64;
+    let answer_len =
+        rest.encoded_len() + key_len(tag) + encoded_len_varint(shared_len) + shared.len();
+    let event_len = key_len(ANSWER) + encoded_len_varint(answer_len as u64) + answer_len;
+    out.reserve(LENGTH + event_len - shared.len());
+    out.put_u32(event_len as u32);
+    encode_key(ANSWER, WireType::LengthDelimited, out);
+    encode_varint(answer_len as u64, out);
+    rest.encode_raw(out);
+    encode_key(tag, WireType::LengthDelimited, out);
+    encode_varint(shared_len, out);
+    Some(shared.clone())
 }
 
 /// A frame the reader refuses: the connection it came on is closed.
@@ -129,6 +186,53 @@ mod tests {
             assert_eq!(got, (0..20).map(beat).collect::<Vec<_>>(), "cut {cut}");
             assert!(read.is_empty());
         }
+    }
+
+    fn answer(quorum: usize, update: usize, message: &str) -> proto::LighthouseEvent {
+        let filled = |n: usize| Bytes::from((0..n).map(|i| i as u8).collect::<Vec<_>>());
+        proto::LighthouseEvent {
+            event: Some(Event::Answer(proto::QuorumAnswer {
+                ask_id: (quorum + update) as u64,
+                quorum: filled(quorum),
+                code: 0,
+                message: message.into(),
+                update: filled(update),
+            })),
+        }
+    }
+
+    #[test]
+    fn a_frame_that_shares_its_quorum_reads_as_the_frame_that_copies_it() {
+        let sizes = [0, 1, SHARED - 1, SHARED, SHARED + 1, 3 * SHARED];
+        let mut events = vec![proto::LighthouseEvent {
+            event: Some(Event::Lease(proto::Lease::default())),
+        }];
+        for quorum in sizes {
+            events.push(answer(quorum, 0, ""));
+            events.push(answer(0, quorum, "refused"));
+            events.push(answer(quorum, 100, "both"));
+        }
+        let mut copied = BytesMut::new();
+        let mut shared = BytesMut::new();
+        let mut sent_apart = 0;
+        for event in &events {
+            encode(event, &mut copied);
+            if let Some(bytes) = encode_sharing(event, &mut shared) {
+                sent_apart += 1;
+                shared.extend_from_slice(&bytes);
+            }
+        }
+        assert_eq!(
+            sent_apart, 9,
+            "every quorum or update of SHARED bytes or more"
+        );
+        assert_eq!(shared.len(), copied.len());
+        let frames = Frames { max: 1 << 20 };
+        for event in &events {
+            let frame = frames.next(&mut shared).unwrap().unwrap();
+            assert_eq!(&proto::LighthouseEvent::decode(frame).unwrap(), event);
+        }
+        assert!(shared.is_empty());
     }
 
     #[test]

@@ -166,7 +166,13 @@ async fn send_events(mut events: Events, write: &mut WriteHalf<Guarded>) -> io::
         let mut next = Some(event);
         while let Some(event) = next {
             match event {
-                Ok(event) => frames::encode(&event, &mut out),
+                Ok(event) => {
+                    if let Some(shared) = frames::encode_sharing(&event, &mut out) {
+                        write.write_all(&out).await?;
+                        write.write_all(&shared).await?;
+                        out.clear();
+                    }
+                }
                 Err(status) => {
                     write.write_all(&out).await?;
                     return Ok(status);
