@@ -63,26 +63,16 @@ pub fn encode_sharing(event: &proto::LighthouseEvent, out: &mut BytesMut) -> Opt
         encode(event, out);
         return None;
     };
-    let (tag, shared) = match (answer.quorum.len(), answer.update.len()) {
-        (n, _) if n >= SHARED => (QUORUM, &answer.quorum),
-        (_, n) if n >= SHARED => (UPDATE, &answer.update),
-        _ => {
-            encode(event, out);
-            return None;
-        }
-    };
-    let rest = proto::QuorumAnswer {
-        quorum: if tag == QUORUM {
-            Bytes::new()
-        } else {
-            answer.quorum.clone()
-        },
-        update: if tag == UPDATE {
-            Bytes::new()
-        } else {
-            answer.update.clone()
-        },
-        ..answer.clone()
+    let whole = answer.quorum.len() >= SHARED;
+    if !whole && answer.update.len() < SHARED {
+        encode(event, out);
+        return None;
+    }
+    let mut rest = answer.clone();
+    let (tag, shared) = if whole {
+        (QUORUM, std::mem::take(&mut rest.quorum))
+    } else {
+        (UPDATE, std::mem::take(&mut rest.update))
     };
     let shared_len = shared.len() as u64;
     let answer_len =
@@ -95,7 +85,7 @@ pub fn encode_sharing(event: &proto::LighthouseEvent, out: &mut BytesMut) -> Opt
     rest.encode_raw(out);
     encode_key(tag, WireType::LengthDelimited, out);
     encode_varint(shared_len, out);
-    Some(shared.clone())
+    Some(shared)
 }
 
 /// A frame the reader refuses: the connection it came on is closed.

@@ -50,26 +50,14 @@ impl Watched {
 /// What stall detection reads of the lighthouse: the current quorum and its groups.
 pub trait Groups {
     fn quorum(&self) -> Option<&Quorum>;
-    /// Every live group.
-    fn ids(&self) -> Box<dyn Iterator<Item = &str> + '_>;
+    /// One group, live or not.
     fn watched(&self, replica_id: &str) -> Watched;
-
-    /// The members of the quorum in its order, each as `watched` has it, found in one
-    /// walk where the lighthouse can (beside 10,000 members, a lookup each was most of
-    /// a judgement's time).
-    fn members(&self) -> Box<dyn Iterator<Item = (&str, Watched)> + '_> {
-        let ids = self.quorum().into_iter().flat_map(Quorum::replica_ids);
-        Box::new(ids.map(|id| (id, self.watched(id))))
-    }
-
-    /// Every group that dropped out of the quorum, and when it is due as stalled (see
-    /// `dropped_due`).
-    fn dropped(&self) -> Box<dyn Iterator<Item = (&str, Instant)> + '_> {
-        Box::new(
-            self.ids()
-                .filter_map(|id| dropped_due(self, id).map(|at| (id, at))),
-        )
-    }
+    /// The members of the quorum in its order, each as `watched` has it: in one walk,
+    /// where a lookup each (beside 10,000 members) was most of a judgement's time.
+    fn members(&self) -> Box<dyn Iterator<Item = (&str, Watched)> + '_>;
+    /// Every live group that dropped out of the quorum, and when it is due as stalled
+    /// (each as `dropped_due` has it).
+    fn dropped(&self) -> Box<dyn Iterator<Item = (&str, Instant)> + '_>;
 }
 
 /// How long a look at the groups outside the quorum stands at most. A group becomes
@@ -257,7 +245,7 @@ pub fn member_due(
 /// more, yet it is hung and should be restarted. A healthy group out of the quorum
 /// asks for the next one at once. Counted from its stream's opening too, so that a
 /// group resumed from SIGSTOP reports its progress before it is judged.
-pub fn dropped_due(groups: &(impl Groups + ?Sized), id: &str) -> Option<Instant> {
+pub fn dropped_due(groups: &impl Groups, id: &str) -> Option<Instant> {
     if groups.quorum().is_some_and(|q| q.contains(id)) {
         return None;
     }

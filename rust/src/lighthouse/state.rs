@@ -149,12 +149,9 @@ impl Groups for Watch<'_> {
     fn quorum(&self) -> Option<&Quorum> {
         self.quorum
     }
-    fn ids(&self) -> Box<dyn Iterator<Item = &str> + '_> {
-        Box::new(self.replicas.keys().map(String::as_str))
-    }
     fn watched(&self, replica_id: &str) -> Watched {
         let asked_at = self.joiners.get(replica_id).map(|j| j.joined_at);
-        watched(self.replicas.get(replica_id), asked_at)
+        as_watched(self.replicas.get(replica_id), asked_at)
     }
 
     /// The quorum's members and the joiners are both in replica-id order: one merged
@@ -168,7 +165,7 @@ impl Groups for Watch<'_> {
             let asked_at = joiners
                 .next_if(|(j, _)| j.as_str() == id)
                 .map(|(_, j)| j.joined_at);
-            (id, watched(self.replicas.get(id), asked_at))
+            (id, as_watched(self.replicas.get(id), asked_at))
         }))
     }
 
@@ -177,7 +174,7 @@ impl Groups for Watch<'_> {
     /// groups outside it, of the joiners.
     fn dropped(&self) -> Box<dyn Iterator<Item = (&str, Instant)> + '_> {
         Box::new(self.replicas.iter().filter_map(|(id, replica)| {
-            let at = stall::dropped_at(&watched(Some(replica), None))?;
+            let at = stall::dropped_at(&as_watched(Some(replica), None))?;
             let inside = self.quorum.is_some_and(|q| q.contains(id));
             (!inside && !self.joiners.contains_key(id)).then_some((id.as_str(), at))
         }))
@@ -186,7 +183,7 @@ impl Groups for Watch<'_> {
 
 /// A group as stall detection sees it: what its record says (none: it is not live),
 /// and when it asked for the next quorum.
-fn watched(replica: Option<&Replica>, asked_at: Option<Instant>) -> Watched {
+fn as_watched(replica: Option<&Replica>, asked_at: Option<Instant>) -> Watched {
     Watched {
         training: replica.and_then(|r| r.pulse.training()),
         asked_at,

@@ -529,6 +529,25 @@ fn a_join_runs_the_stall_check_while_a_stalled_member_waits_for_a_waiting_peer()
     assert_eq!(s.evict_stalled(ms(8500)).0, ["a".to_string()]);
 }
 
+/// A stream opened for each of `ids` at `now`: their pulses and event queues, in
+/// `ids`' order (keep the queues: one dropped reads as a broken stream).
+fn open_each(s: &mut LighthouseState, ids: &[String], now: Instant) -> Vec<(Arc<Pulse>, Events)> {
+    ids.iter()
+        .map(|id| {
+            let ((_, pulse), events) = open(s, id, now);
+            (pulse, events)
+        })
+        .collect()
+}
+
+/// `open_each`, then the quorum of them formed.
+fn quorum_of(s: &mut LighthouseState, ids: &[String], now: Instant) -> Vec<(Arc<Pulse>, Events)> {
+    let streams = open_each(s, ids, now);
+    let names: Vec<&str> = ids.iter().map(String::as_str).collect();
+    form_quorum(s, &names, now);
+    streams
+}
+
 /// Member `k`'s stall times as the lighthouse computed them before `EarliestWaits`:
 /// every peer's wait looked up again for each member.
 fn stall_due_by_every_peer(s: &LighthouseState, k: usize) -> (Option<Instant>, Option<Instant>) {
@@ -558,17 +577,9 @@ fn a_stall_is_judged_by_the_earliest_wait_of_the_other_members() {
         let mut s = state();
         let n = 1 + rng.below(6) as usize;
         let ids: Vec<String> = (0..n).map(|i| format!("g{i}")).collect();
-        let mut pulses = Vec::new();
-        let mut events = Vec::new();
-        for id in &ids {
-            let ((_, pulse), rx) = open(&mut s, id, t);
-            pulses.push(pulse);
-            events.push(rx);
-        }
-        let names: Vec<&str> = ids.iter().map(String::as_str).collect();
-        form_quorum(&mut s, &names, t);
+        let streams = quorum_of(&mut s, &ids, t);
         let now = t + Duration::from_millis(10_000);
-        for (pulse, id) in pulses.iter().zip(&ids) {
+        for ((pulse, _), id) in streams.iter().zip(&ids) {
             match rng.below(4) {
                 0 => {} // reports no training
                 1 => join_at_step(&mut s, id, 0, now - Duration::from_millis(rng.below(3000))),
@@ -599,17 +610,10 @@ fn the_walks_over_the_members_and_the_dropped_find_what_a_lookup_per_group_finds
         let n = 1 + rng.below(14) as usize;
         let ids: Vec<String> = (0..n).map(|i| format!("g{}", 3 * i)).collect();
         let inside = 1 + rng.below(n as u64) as usize;
-        let mut streams = Vec::new();
-        for id in &ids[..inside] {
-            streams.push(open(&mut s, id, t));
-        }
-        let names: Vec<&str> = ids[..inside].iter().map(String::as_str).collect();
-        form_quorum(&mut s, &names, t);
-        for id in &ids[inside..] {
-            streams.push(open(&mut s, id, t));
-        }
+        let mut streams = quorum_of(&mut s, &ids[..inside], t);
+        streams.extend(open_each(&mut s, &ids[inside..], t));
         let now = t + Duration::from_millis(10_000);
-        for (((_, pulse), _), id) in streams.iter().zip(&ids) {
+        for ((pulse, _), id) in streams.iter().zip(&ids) {
             if rng.below(2) == 0 {
                 assert!(pulse.beat(now, rng.below(3) as i64, 1));
                 trained(pulse, now, rng.below(9000), 1000 * rng.below(2));
@@ -632,9 +636,10 @@ fn the_walks_over_the_members_and_the_dropped_find_what_a_lookup_per_group_finds
             "round {round}"
         );
         let mut dropped: Vec<_> = watch.dropped().collect();
-        let mut each: Vec<_> = watch
-            .ids()
-            .filter_map(|id| stall::dropped_due(&watch, id).map(|at| (id, at)))
+        let mut each: Vec<_> = s
+            .replicas
+            .keys()
+            .filter_map(|id| stall::dropped_due(&watch, id).map(|at| (id.as_str(), at)))
             .collect();
         dropped.sort();
         each.sort();
