@@ -75,6 +75,36 @@ def lighthouse_process(*flags: str, port: int | None = None) -> Iterator[tuple[s
         stop(proc)
 
 
+@contextmanager
+def floor_process(groups: int) -> Iterator[str]:
+    """Runs the floor server (TCP and nothing behind it: `_testing.serve_floor`) in its
+    own process, with room for `groups` connections; yields its address."""
+    address = f"127.0.0.1:{free_port()}"
+    serve = (
+        "import sys; from phalanx._core import _testing; "
+        "_testing.serve_floor(sys.argv[1], int(sys.argv[2]))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", serve, address, str(groups)])
+    try:
+        wait_for_tcp(address, timeout=15.0)
+        yield address
+    finally:
+        stop(proc)
+
+
+def wait_for_tcp(address: str, timeout: float) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def wait_for_http(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

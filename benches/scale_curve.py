@@ -10,12 +10,18 @@ manager servers do:
   crashes: its stream dropped), from the last request sent to the last answer;
 - a crash: one more group joins the quorum and its stream is dropped; the time until
   every one of the N others was told on its stream (`MembershipLost`), per trial;
-- the lighthouse's CPU per second of the rounds, and its resident memory at the end.
+- the lighthouse's CPU per second of the rounds, and its resident memory at the end;
+- the floor under both: the same N connections to a server in a process of its own
+  with nothing behind them but TCP (`_testing.serve_floor`): each sends a small message
+  and once all have, each gets one back (a round), or one more connection drops and
+  every other gets one message (a loss told). No lighthouse moves fewer bytes through
+  fewer sockets, so the lighthouse's time over the floor's says what it adds, and the
+  floor's own growth from the first size what this machine adds whatever serves it.
 
 Goal: detection and a change's round within 2× of their 8-group values up to 10,000
 groups, and a steady round p99 ≤ 10 ms at 10,000. The driver shares the machine's
 cores with the lighthouse, so the largest sizes measure both; the lighthouse's own
-CPU time says what is its.
+CPU time says what is its, the floor what any server's would be.
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from pathlib import Path
 
 from phalanx._core import _testing
 
-from harness import cli_flags, cpu_seconds, lighthouse_process, percentile, report
+from harness import (
+    cli_flags,
+    cpu_seconds,
+    floor_process,
+    lighthouse_process,
+    percentile,
+    report,
+)
 
 
 def rss_mib(pid: int) -> float:
@@ -71,6 +84,12 @@ def measure(groups: int, trials: int, transport: str) -> dict[str, float]:
         except (ConnectionError, TimeoutError, ValueError) as e:
             # Said in the report, with the rounds measured: the curve goes on.
             told, failed = [float("nan")], f"{type(e).__name__}: {e}"
+    with floor_process(groups + 8) as floor:
+        floor_rounds = [
+            s * 1e3
+            for s in _testing.bench_floor_rounds(floor, groups, rounds_for(groups), timeout=120.0)
+        ]
+        floor_told = _testing.bench_floor_told(floor, groups, trials, timeout=120.0)
     steady = [s * 1e3 for s, changed, _ in timings if not changed]
     change = [s * 1e3 for s, changed, _ in timings if changed]
     return {
@@ -84,6 +103,9 @@ def measure(groups: int, trials: int, transport: str) -> dict[str, float]:
         "lighthouse_cpu_per_s": round(cpu_per_s, 3),
         "lighthouse_rss_mib": round(rss, 1),
         "rounds": len(timings),
+        "floor_steady_p50_ms": round(percentile(floor_rounds, 50), 3),
+        "floor_steady_p99_ms": round(percentile(floor_rounds, 99), 3),
+        "floor_told_ms": round(statistics.median(floor_told) * 1e3, 3),
     }
 
 
@@ -112,10 +134,14 @@ def main() -> None:
     for row in rows:
         row["crash_told_ratio"] = ratio(row, "crash_told_ms")
         row["change_ratio"] = ratio(row, "change_p50_ms")
-    report(
-        f"scale curve ({args.transport}): {', '.join(map(str, sizes))} groups, "
-        f"ratios to {base['groups']}",
-        [
+        row["floor_round_ratio"] = ratio(row, "floor_steady_p50_ms")
+        row["floor_told_ratio"] = ratio(row, "floor_told_ms")
+        row["steady_to_floor"] = round(row["steady_p50_ms"] / row["floor_steady_p50_ms"], 2)
+        row["change_to_floor"] = round(row["change_p50_ms"] / row["floor_steady_p50_ms"], 2)
+        row["told_to_floor"] = round(row["crash_told_ms"] / row["floor_told_ms"], 2)
+    lines = []
+    for row in rows:
+        lines.append(
             (
                 f"{row['groups']} groups",
                 f"steady {row['steady_p50_ms']:.2f}/{row['steady_p99_ms']:.2f} ms, "
@@ -123,8 +149,21 @@ def main() -> None:
                 f"crash told {row['crash_told_ms']:.1f} ms ({row['crash_told_ratio']}x), "
                 f"CPU {row['lighthouse_cpu_per_s']:.2f}/s, RSS {row['lighthouse_rss_mib']:.0f} MiB",
             )
-            for row in rows
-        ],
+        )
+        lines.append(
+            (
+                "  the floor",
+                f"round {row['floor_steady_p50_ms']:.2f}/{row['floor_steady_p99_ms']:.2f} ms "
+                f"({row['floor_round_ratio']}x), told {row['floor_told_ms']:.1f} ms "
+                f"({row['floor_told_ratio']}x); lighthouse over it: steady "
+                f"{row['steady_to_floor']}x, change {row['change_to_floor']}x, "
+                f"told {row['told_to_floor']}x",
+            )
+        )
+    report(
+        f"scale curve ({args.transport}): {', '.join(map(str, sizes))} groups, "
+        f"ratios to {base['groups']}",
+        lines,
         {"bench": "scale_curve", "transport": args.transport, "sizes": rows},
     )
 

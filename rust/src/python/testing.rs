@@ -12,7 +12,9 @@ use super::state::StateServer;
 use super::{job_request, seconds, unsigned};
 use crate::auth::JobToken;
 use crate::lighthouse::wire::BeatTransport;
+use crate::loadgen::floor;
 use crate::state::{baseline, Corruption};
+use crate::Error;
 
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
 /// (seconds from the last request to the last answer, membership changed, quorum id)
@@ -163,6 +165,76 @@ fn send_raft_heartbeat(
     })
 }
 
+/// Benchmark yardstick: serves the floor of the lighthouse's benchmarks on `bind`
+/// (see `loadgen::floor`) until the process ends, with room for `groups` connections.
+#[pyfunction]
+fn serve_floor(py: Python<'_>, bind: String, groups: usize) -> PyResult<()> {
+    if let Some(warning) = crate::fdlimit::ensure(groups, "the floor's groups") {
+        tracing::warn!("{warning}");
+    }
+    wait(py, async move {
+        let listener = tokio::net::TcpListener::bind(&bind)
+            .await
+            .map_err(|source| Error::Bind {
+                address: bind.clone(),
+                source,
+            })?;
+        floor::serve(listener)
+            .await
+            .map_err(|e| floor_error(&bind, e))
+    })
+}
+
+/// Benchmark yardstick: `groups` connections to the floor server at `address` ask for
+/// `rounds` rounds in lock-step. Returns each round's seconds from the last ask to
+/// the last answer.
+#[pyfunction]
+#[pyo3(signature = (address, groups, rounds, timeout = 30.0))]
+fn bench_floor_rounds(
+    py: Python<'_>,
+    address: String,
+    groups: usize,
+    rounds: usize,
+    timeout: f64,
+) -> PyResult<Vec<f64>> {
+    let timeout = seconds("timeout", timeout)?;
+    let timings = wait(py, async move {
+        floor::rounds(&address, groups, rounds, timeout)
+            .await
+            .map_err(|e| floor_error(&address, e))
+    })?;
+    Ok(timings.iter().map(Duration::as_secs_f64).collect())
+}
+
+/// Benchmark yardstick: `groups` connections to the floor server at `address` wait
+/// while, `trials` times, one more is dropped. Returns the seconds until all were
+/// told, per trial.
+#[pyfunction]
+#[pyo3(signature = (address, groups, trials, timeout = 30.0))]
+fn bench_floor_told(
+    py: Python<'_>,
+    address: String,
+    groups: usize,
+    trials: usize,
+    timeout: f64,
+) -> PyResult<Vec<f64>> {
+    let timeout = seconds("timeout", timeout)?;
+    let told = wait(py, async move {
+        floor::losses_told(&address, groups, trials, timeout)
+            .await
+            .map_err(|e| floor_error(&address, e))
+    })?;
+    Ok(told.iter().map(Duration::as_secs_f64).collect())
+}
+
+fn floor_error(address: &str, e: std::io::Error) -> Error {
+    Error::Connect {
+        what: "the floor server",
+        address: address.to_string(),
+        detail: e.to_string(),
+    }
+}
+
 /// Benchmark yardstick: seconds to move `nbytes` over `connections` raw loopback
 /// TCP connections (blocking threads, no framing, no checksum).
 #[pyfunction]
@@ -195,6 +267,9 @@ pub(super) fn register(parent: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_flood, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_crash_told, &m)?)?;
     m.add_function(wrap_pyfunction!(bench_raw_tcp, &m)?)?;
+    m.add_function(wrap_pyfunction!(serve_floor, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_floor_rounds, &m)?)?;
+    m.add_function(wrap_pyfunction!(bench_floor_told, &m)?)?;
     m.add_function(wrap_pyfunction!(damage_next_chunks, &m)?)?;
     m.add_function(wrap_pyfunction!(send_raft_heartbeat, &m)?)?;
     parent.add_submodule(&m)?;

@@ -1,6 +1,8 @@
 //! Load for the lighthouse benchmarks (`benches/`): many replica groups at once,
 //! driven from Rust so that what is measured is the lighthouse, not the driver.
 
+pub mod floor;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
