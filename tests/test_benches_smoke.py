@@ -56,7 +56,10 @@ def test_scale_curve_quick():
         assert row["steady_p99_ms"] >= row["steady_p50_ms"] > 0
         assert row["change_p50_ms"] > 0 and row["crash_told_ms"] > 0
         assert row["lighthouse_rss_mib"] > 0 and row["rounds"] == 300
+        assert row["floor_steady_p99_ms"] >= row["floor_steady_p50_ms"] > 0
+        assert row["floor_told_ms"] > 0 and row["steady_to_floor"] > 0
     assert result["sizes"][0]["crash_told_ratio"] == 1.0
+    assert result["sizes"][0]["floor_told_ratio"] == 1.0
 
 
 def test_heartbeat_capacity_quick_measures_every_transport():
