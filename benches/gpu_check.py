@@ -772,13 +772,13 @@ def run_step_worker(args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    median_ms, cpu_ms = timed_steps(step, batches, args.warmup, args.steps)
+    times = timed_steps(step, batches, args.warmup, args.steps)
     from phalanx.demo.train import fingerprint
 
     committed = manager.current_step() if args.worker == "phalanx" else args.warmup + args.steps
     line = {
-        "median_ms": median_ms,
-        "cpu_ms": cpu_ms,
+        "median_ms": times.median_ms,
+        "cpu_ms": times.cpu_ms,
         # Every rank applied the same averaged gradients: the same parameters, bit for bit.
         "fingerprint": fingerprint(list(model.state_dict().values())),
         "committed": committed,

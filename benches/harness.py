@@ -11,12 +11,14 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 
 def cli_flags(**options: object) -> list[str]:
@@ -239,22 +241,72 @@ def report(title: str, rows: Sequence[tuple[str, object]], result: dict) -> None
     print(json.dumps(result), flush=True)
 
 
+class StepTimes(NamedTuple):
+    median_ms: float
+    """The median timed step's wall time."""
+    cpu_ms: float
+    """CPU per timed step, all the process's threads together."""
+    threads_ms: dict[str, float]
+    """CPU per timed step by thread name ("main" for the main thread); empty where
+    /proc does not tell."""
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each live thread of this process: its id, and its name and CPU seconds so far
+    (/proc's schedstat, in nanoseconds); empty where /proc does not tell. A Python
+    thread goes by its `threading` name ("main" for the main thread), any other by
+    the name the system knows it by."""
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    python_names[threading.main_thread().native_id] = "main"
+    threads = {}
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # ended since the listing, or no schedstat
+            continue
+        threads[tid] = (python_names.get(tid, name), ns / 1e9)
+    return threads
+
+
+def cpu_by_thread_name(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds each thread name spent between two `thread_cpu` readings (threads
+    of one name summed; a thread that ended in between is not counted)."""
+    spent: dict[str, float] = {}
+    for tid, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(tid, (name, 0.0))[1]
+    return spent
+
+
 def timed_steps(
     step: Callable[[object, object], None], batches: Sequence, warmup: int, steps: int
-) -> tuple[float, float]:
-    """Runs `step(x, y)` over `batches` for `warmup` steps, then `steps` timed ones;
-    returns the median step's wall time and the CPU time per timed step, in ms. `step`
-    must end when its work did (synchronize a device in it)."""
+) -> StepTimes:
+    """Runs `step(x, y)` over `batches` for `warmup` steps, then `steps` timed ones, and
+    times those. `step` must end when its work did (synchronize a device in it)."""
     times = []
     for i in range(warmup + steps):
         if i == warmup:
-            cpu = time.process_time()
+            cpu, threads = time.process_time(), thread_cpu()
         x, y = batches[i % len(batches)]
         start = time.perf_counter()
         step(x, y)
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, (time.process_time() - cpu) / steps * 1e3
+    cpu = time.process_time() - cpu
+    by_name = cpu_by_thread_name(threads, thread_cpu())
+    return StepTimes(
+        statistics.median(times) * 1e3,
+        cpu / steps * 1e3,
+        {name: seconds / steps * 1e3 for name, seconds in by_name.items()},
+    )
 
 
 def mlp_and_batches(width: int, seed: int):

@@ -8,7 +8,9 @@ tolerance, on a world of N ranks.
 Each round runs both, one after the other; the ratio reported is the median of the
 rounds' ratios, with their min and max. On a busy machine the step time swings with
 the load; the CPU each rank spends per step (all its threads) is steadier, and is
-what phalanx adds to a step on a machine with cores to spare for it.
+what phalanx adds to a step on a machine with cores to spare for it. That CPU is also
+split by thread (the main thread, gloo's, phalanx-core's: its manager server, lighthouse
+client and heartbeats), so a ratio above 1 says where it comes from.
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def run_worker(args: argparse.Namespace) -> None:
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
 
-    median_ms, cpu_ms = timed_steps(step, batches, args.warmup, args.steps)
-    print(json.dumps({"median_ms": median_ms, "cpu_ms": cpu_ms}), flush=True)
+    times = timed_steps(step, batches, args.warmup, args.steps)
+    print(json.dumps(times._asdict()), flush=True)
     if args.worker == "torch":
         dist.destroy_process_group()
     else:
@@ -80,6 +82,7 @@ def run_worker(args: argparse.Namespace) -> None:
 class Sample(NamedTuple):
     step_ms: float
     cpu_ms: float
+    threads_ms: dict[str, float]
 
 
 def measure(mode: str, args: argparse.Namespace, lighthouse: str = "", job: str = "") -> Sample:
@@ -98,9 +101,28 @@ def measure(mode: str, args: argparse.Namespace, lighthouse: str = "", job: str 
     ]
     results = worker_results(procs, mode)
     # The job's step time is its slowest rank's; CPU is what a rank spends per step.
+    names = {name for r in results for name in r["threads_ms"]}
     return Sample(
-        max(r["median_ms"] for r in results), statistics.mean(r["cpu_ms"] for r in results)
+        max(r["median_ms"] for r in results),
+        statistics.mean(r["cpu_ms"] for r in results),
+        {name: statistics.mean(r["threads_ms"].get(name, 0.0) for r in results) for name in names},
     )
+
+
+def thread_rows(rounds: list[tuple[Sample, Sample]]) -> dict[str, dict[str, float]]:
+    """Per thread name, the median over the rounds of a rank's CPU per step in it, for
+    each side, busiest first: where the CPU ratio comes from. Threads under a
+    microsecond a step on both sides are left out."""
+    names = {name for round_ in rounds for side in round_ for name in side.threads_ms}
+    rows = {
+        name: {
+            side: round(statistics.median(r[i].threads_ms.get(name, 0.0) for r in rounds), 3)
+            for i, side in enumerate(("torch", "phalanx"))
+        }
+        for name in names
+    }
+    busy = (row for row in rows.items() if max(row[1].values()) >= 0.001)
+    return dict(sorted(busy, key=lambda row: -max(row[1].values())))
 
 
 def main() -> None:
@@ -147,6 +169,7 @@ def main() -> None:
         "cpu_ratio": round(median(cpu_ratios), 3),
         "cpu_ratio_min": round(min(cpu_ratios), 3),
         "cpu_ratio_max": round(max(cpu_ratios), 3),
+        "threads_cpu_ms": thread_rows(rounds),
         "rounds": args.rounds,
         "groups": args.groups,
     }
@@ -162,6 +185,10 @@ def main() -> None:
             (
                 "CPU ratio",
                 f"{result['cpu_ratio']} ({result['cpu_ratio_min']}–{result['cpu_ratio_max']})",
+            ),
+            *(
+                (f"  thread {name}: torch / phalanx (ms)", f"{ms['torch']} / {ms['phalanx']}")
+                for name, ms in result["threads_cpu_ms"].items()
             ),
         ],
         result,

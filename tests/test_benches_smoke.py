@@ -117,3 +117,10 @@ def test_step_overhead_quick():
     assert result["phalanx_ms"] > 0 and result["baseline_ms"] > 0
     for name in ("ratio", "cpu_ratio"):
         assert result[f"{name}_min"] <= result[name] <= result[f"{name}_max"]
+    # The CPU split by thread adds up to each side's CPU per step, and shows phalanx's
+    # own threads on its side only.
+    threads = result["threads_cpu_ms"]
+    for side, cpu in (("torch", "baseline_cpu_ms"), ("phalanx", "phalanx_cpu_ms")):
+        assert sum(ms[side] for ms in threads.values()) == pytest.approx(result[cpu], rel=0.1)
+    assert threads["phalanx-core"]["phalanx"] > 0 and threads["main"]["torch"] > 0
+    assert all(ms["torch"] == 0 for name, ms in threads.items() if name.startswith("phalanx"))
