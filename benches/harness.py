@@ -294,7 +294,8 @@ def timed_steps(
     times = []
     for i in range(warmup + steps):
         if i == warmup:
-            cpu, threads = time.process_time(), thread_cpu()
+            # /proc first, so that reading it is not counted in the steps' CPU.
+            threads, cpu = thread_cpu(), time.process_time()
         x, y = batches[i % len(batches)]
         start = time.perf_counter()
         step(x, y)

@@ -121,8 +121,8 @@ def thread_rows(rounds: list[tuple[Sample, Sample]]) -> dict[str, dict[str, floa
         }
         for name in names
     }
-    busy = (row for row in rows.items() if max(row[1].values()) >= 0.001)
-    return dict(sorted(busy, key=lambda row: -max(row[1].values())))
+    busy = {name: ms for name, ms in rows.items() if max(ms.values()) >= 0.001}
+    return dict(sorted(busy.items(), key=lambda row: -max(row[1].values())))
 
 
 def main() -> None:
