@@ -172,3 +172,53 @@ def test_the_ranks_of_a_group_apply_the_average_of_their_gradients(lighthouse):
         assert torch.equal(a, b), "the ranks' gradients differ"
         want = torch.zeros_like(a) if ga is None else (ga + gb) / 2
         torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_group_that_heals_inside_its_backward_commits_its_first_step(lighthouse):
+    """The README's loop around a model of several buckets, asking the manager nothing
+    before its forward: a group that joins late takes its quorum, and heals, in the
+    first bucket's all-reduce, while backward still needs the other layers' weights.
+    The healed state loads once its backward is done (I13): nothing autograd saved
+    changes, the group commits its very first step, and both hold the same bits."""
+    from state_digest import state_hash
+    from user_model import ConvNet, SavedTensorGuard, batch
+
+    a_trained, b_done = threading.Event(), threading.Event()
+
+    def group(name: str, barrier: threading.Barrier) -> dict[int, str]:
+        if name == "b":
+            assert a_trained.wait(60), "a never committed alone"
+        manager = manager_for(lighthouse, name)
+        try:
+            torch.manual_seed(ord(name))  # the groups start apart: b must heal
+            model = ConvNet()
+            ddp = phalanx.DistributedDataParallel(model, manager)
+            optimizer = phalanx.Optimizer(manager, torch.optim.Adam(model.parameters()))
+            assert len(ddp._buckets) > 1
+            hashes, guard = {}, SavedTensorGuard()
+            for _ in range(200):
+                if b_done.is_set() if name == "a" else len(hashes) == 3:
+                    break
+                step = manager.current_step()
+                optimizer.zero_grad()
+                x, y = batch(step, salt=ord(name))
+                with guard:
+                    out = ddp(x)
+                nn.functional.cross_entropy(out, y).backward()
+                committed = optimizer.step()
+                if name == "b":
+                    assert committed, f"b's step {step} did not commit: {manager.failure}"
+                if committed:
+                    hashes[manager.current_step()] = state_hash(model, optimizer.optimizer)
+                if manager.current_step() >= 3:
+                    a_trained.set()
+            assert guard.checked > 0
+            return hashes
+        finally:
+            if name == "b":
+                b_done.set()
+            leave_together(manager, barrier)
+
+    a, b = in_groups(group)
+    assert min(b) > 3, "b did not heal to a's step"
+    assert all(a[step] == digest for step, digest in b.items()), "b's state differs from a's"

@@ -152,6 +152,8 @@ class DistributedDataParallel(nn.Module):
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
         manager.register_pre_commit(self._flush)
+        # Its forward builds the graph a heal must not touch (I13).
+        manager.watch_forward(module)
 
     def _hook(self, bucket: _Bucket):
         def ready(_: torch.Tensor) -> None:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from phalanx import _core
 from phalanx.identity import HeldState
 from phalanx.progress import Progress
@@ -77,16 +79,24 @@ def heal_step(
     *,
     token: str | None,
     timeout: float,
+    stage: bool = False,
 ) -> str | None:
-    """Heals this rank to the quorum's `max_step` from its up-to-date peers, straight
-    into the registered tensors; returns why it failed, or None. A failed fetch may
-    have written part of the tensors: the state is then torn (`held.tear()`)."""
+    """Heals this rank to the quorum's `max_step` from its up-to-date peers; returns
+    why it failed, or None.
+
+    Without `stage` the bytes go straight into the registered tensors and the state is
+    loaded at once; a failed fetch may have written part of the tensors, so the state
+    is then torn (`held.tear()`). With `stage` (an autograd graph may hold the
+    registered tensors: I13) they go into buffers of their own, kept on the step
+    (`step.staged`) until `load_staged()` loads them where no graph does; a failed
+    fetch then leaves the state as it was."""
     sources = [s.state_address for s in quorum.recovery_sources]
     if not sources:
         step.heal_failed = True
         return f"must heal to step {quorum.max_step} but no up-to-date peer serves it"
     started = time.monotonic()
-    held.begin_heal()
+    if not stage:
+        held.begin_heal()
 
     def record(stats: _core.FetchStats) -> None:
         step.record.heal_bytes = stats.bytes
@@ -104,7 +114,7 @@ def heal_step(
                 sources,
                 quorum.max_step,
                 quorum.quorum_id,
-                mine,
+                blank_like(mine) if stage else mine,
                 token=token,
                 timeout=timeout,
                 report=record,
@@ -113,14 +123,96 @@ def heal_step(
         raise  # this group was built unlike its peers: no retry can help
     except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
         step.heal_failed = True
-        tear(held)
+        if not stage:
+            tear(held)
         return f"heal to step {quorum.max_step} failed: {e}"
-    registry.load(state, quorum.max_step)
-    seconds = time.monotonic() - started
-    step.record.heal_s, step.record.healed, step.record.step = seconds, True, quorum.max_step
+    step.record.heal_s = time.monotonic() - started
+    received = Received(state, quorum.max_step, (quorum.max_state_quorum_id, quorum.lineage))
+    if stage:
+        step.staged = received
+        log.info(
+            "fetched step %d from %d peer(s) in %.3f s; it loads once the step's backward is done",
+            quorum.max_step,
+            len(sources),
+            step.record.heal_s,
+        )
+        return None
+    received.load(step, registry, held)
+    seconds = step.record.heal_s
     log.info("healed to step %d from %d peer(s) in %.3f s", quorum.max_step, len(sources), seconds)
-    held.healed(quorum.max_step, quorum.max_state_quorum_id, quorum.lineage)
     return None
+
+
+@dataclass
+class Received:
+    """A state fetched from the peers, or read from a snapshot, that the rank loads."""
+
+    state: dict[str, Any]
+    step: int
+    #: (state quorum id, lineage) the rank holds once it is loaded; None for a
+    #: snapshot it resumes from, whose identity it took when it picked it.
+    identity: tuple[int, int] | None
+
+    def load(self, step: Step, registry: StateRegistry, held: HeldState) -> None:
+        """Loads the state through every registered `load_state_dict` and takes its
+        identity; IncompatibleStateError as `StateRegistry.load`."""
+        started = time.monotonic()
+        held.begin_heal()
+        registry.load(self.state, self.step)
+        took = time.monotonic() - started
+        if self.identity is None:
+            held.before_heal = None
+            step.record.resume_s += took
+            return
+        step.record.heal_s += took
+        step.record.healed, step.record.step = True, self.step
+        held.healed(self.step, *self.identity)
+
+
+def load_staged(step: Step, registry: StateRegistry, held: HeldState) -> None:
+    """Loads the state a heal staged this step, if any: called where no autograd graph
+    holds the registered tensors (after the step's last backward, before its vote)."""
+    received, step.staged = step.staged, None
+    if received is None:
+        return
+    received.load(step, registry, held)
+    log.info("loaded step %d after the backward", received.step)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward pass (a gradient hook).
+
+    >>> in_backward()
+    False
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def blank_like(state: Any) -> Any:
+    """`state` with every tensor replaced by an uninitialised one of its dtype, shape,
+    device and layout (a DTensor stays a DTensor), for a fetch that must not write
+    into the live tensors. A tensor met twice (tied weights) maps to one buffer.
+
+    >>> import torch
+    >>> w = torch.ones(2)
+    >>> blank = blank_like({"a": w, "b": [w, 3], "c": "x"})
+    >>> blank["a"] is blank["b"][0], blank["a"] is w, blank["b"][1], blank["c"]
+    (True, False, 3, 'x')
+    """
+    made: dict[int, torch.Tensor] = {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in made:
+                made[id(value)] = torch.empty_like(value)
+            return made[id(value)]
+        if isinstance(value, dict):
+            return type(value)((k, walk(v)) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(state)
 
 
 def tear(held: HeldState) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx import _core, transaction, watchdog
+from phalanx.healing import in_backward, load_staged
 from phalanx.process_group import CollectiveFailed
 from phalanx.reachability import LighthouseUnreachableError
 from phalanx.settings import ManagerSettings, Timeouts, host_port
@@ -112,6 +113,8 @@ class Manager:
         # An attribute of its own so that tests can wrap it (to stop a rank at its vote).
         self._client = self._rank.services.client
         self._pre_commit: list[Callable[[], None]] = []
+        #: A forward of a watched module built a graph since the last vote (I13).
+        self._forward_ran = False
         #: The step in flight, or the last one once `should_commit()` returned.
         self._step: Step | None = None
         self._closed = False
@@ -134,6 +137,19 @@ class Manager:
                 "the training loop starts"
             )
         self._rank.held.resumed(step)
+
+    def watch_forward(self, module: torch.nn.Module) -> None:
+        """Tells the manager when `module`'s forward builds an autograd graph, so that a
+        state this group heals after it, while the graph may hold the registered
+        tensors, is loaded only at the vote, after the step's last backward (I13).
+        phalanx's DDP and HSDP watch the module they wrap; a loop of its own that calls
+        `wait_quorum()` after its forward watches its model here."""
+
+        def began(*_: object) -> None:
+            if torch.is_grad_enabled():
+                self._forward_ran = True
+
+        module.register_forward_pre_hook(began)
 
     def register_pre_commit(self, fn: Callable[[], None]) -> None:
         """Runs `fn` at the start of every `should_commit()`, e.g. to start the
@@ -196,6 +212,9 @@ class Manager:
         step = self._current()
         step.finish_collectives()
         quorum = self._resolve()
+        # The step's last backward is done: a state staged by a heal during it loads now.
+        load_staged(step, self._rank.registry, self._rank.held)
+        self._forward_ran = False
         transaction.stop_serving(self._rank)
         started = time.monotonic()
         decision = transaction.vote(self._rank, self._client, step, quorum)
@@ -347,8 +366,14 @@ class Manager:
     def _resolve(self) -> _core.QuorumResult | None:
         """The step's quorum (taken once), if this rank joins its collectives."""
         step = self._current()
-        transaction.take_quorum(self._rank, step)
+        transaction.take_quorum(self._rank, step, stage=self._graph_may_hold_state())
         return step.quorum if step.joins_collectives else None
+
+    def _graph_may_hold_state(self) -> bool:
+        """Whether an autograd graph may hold the registered tensors now: autograd is
+        running a backward (a gradient hook's all-reduce), or a watched module's
+        forward built a graph since the last vote."""
+        return self._forward_ran or in_backward()
 
     def _fail(self, reason: str) -> None:
         if self._step is not None:

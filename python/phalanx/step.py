@@ -18,12 +18,15 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from phalanx import _core
 from phalanx.process_group import Abort, CollectiveFailed, Pending
+
+if TYPE_CHECKING:
+    from phalanx.healing import Received
 
 log = logging.getLogger("phalanx.manager")
 
@@ -95,6 +98,9 @@ class Step:
         self.quorum_id: int | None = None
         #: This rank's heal failed: it still joins the collectives (with zeros).
         self.heal_failed = False
+        #: A heal's state fetched while an autograd graph may hold the registered
+        #: tensors, loaded at the vote (`phalanx.healing.load_staged`).
+        self.staged: Received | None = None
         self.handles: list[Handle] = []
         self._failure: str | None = None
         self._lock = threading.Lock()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from phalanx import _core, watchdog
-from phalanx.healing import StateRegistry, heal_step, tear
+from phalanx.healing import Received, StateRegistry, blank_like, heal_step, tear
 from phalanx.identity import HeldState
 from phalanx.manifest import IncompatibleStateError
 from phalanx.membership import LossBook, MembershipWatcher
@@ -171,9 +171,10 @@ def snapshot_or_resume(rank: Rank, first: bool) -> float:
         return snapshots.take(rank.registry.state(), held.step, held.state_quorum_id, held.lineage)
 
 
-def take_quorum(rank: Rank, step: Step) -> None:
+def take_quorum(rank: Rank, step: Step, stage: bool) -> None:
     """Waits for the step's quorum, then joins it: failures mark the step failed; a
-    refusal that asking again cannot cure raises."""
+    refusal that asking again cannot cure raises. `stage`: an autograd graph may hold
+    the registered tensors, so a state received now is loaded at the vote (I13)."""
     if step.resolved:
         return
     step.resolved = True
@@ -201,7 +202,7 @@ def take_quorum(rank: Rank, step: Step) -> None:
     step.record.lineage = quorum.lineage
     if quorum.rolled_back_from is not None:
         announce_rollback(rank, quorum)
-    join(rank, step, quorum)
+    join(rank, step, quorum, stage)
 
 
 def announce_rollback(rank: Rank, quorum: _core.QuorumResult) -> None:
@@ -236,8 +237,9 @@ def announce_rollback(rank: Rank, quorum: _core.QuorumResult) -> None:
     )
 
 
-def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
-    """Builds the quorum's process group, then heals or serves the healers."""
+def join(rank: Rank, step: Step, quorum: _core.QuorumResult, stage: bool) -> None:
+    """Builds the quorum's process group, then heals or serves the healers (`stage`:
+    as `take_quorum`)."""
     q = quorum
     try:
         membership = Membership(
@@ -256,7 +258,7 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         manifest, rank.resuming = rank.resuming, None
         if quorum.heal:
             log.info("snapshot %s not loaded: a live group holds a newer state", manifest.name)
-        elif (failure := resume(rank, step, manifest)) is not None:
+        elif (failure := resume(rank, step, manifest, stage)) is not None:
             return rank.fail(step, failure)
     if quorum.heal:
         s = rank.settings
@@ -268,6 +270,7 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
             rank.progress,
             token=s.token,
             timeout=s.timeouts.heal,
+            stage=stage,
         )
         rank.healed_bytes += step.record.heal_bytes
         if failure is not None:
@@ -281,8 +284,9 @@ def join(rank: Rank, step: Step, quorum: _core.QuorumResult) -> None:
         rank.progress.mark(f"serving the state of step {rank.held.step} to healing peers")
 
 
-def resume(rank: Rank, step: Step, manifest: Manifest) -> str | None:
-    """Loads the snapshot this rank reported holding; returns why it failed, or None.
+def resume(rank: Rank, step: Step, manifest: Manifest, stage: bool) -> str | None:
+    """Loads the snapshot this rank reported holding (`stage`: reads it into buffers
+    of its own, loaded at the vote, as `heal_step`); returns why it failed, or None.
     A load that failed part way leaves the state torn (the group heals again)."""
     assert rank.snapshots is not None
     started = time.monotonic()
@@ -291,20 +295,25 @@ def resume(rank: Rank, step: Step, manifest: Manifest) -> str | None:
     try:
         # Reading storage is no wait on the other groups, but it may be long.
         with rank.progress.waiting(f"loading snapshot {manifest.name}", timeout):
-            state = rank.snapshots.load(manifest, rank.registry.state())
-        rank.registry.load(state, manifest.step)
+            mine = rank.registry.state()
+            state = rank.snapshots.load(manifest, blank_like(mine) if stage else mine)
+        received = Received(state, manifest.step, identity=None)
+        if stage:
+            step.staged = received
+        else:
+            received.load(step, rank.registry, held)
     except IncompatibleStateError:
         raise  # built unlike the group that wrote it: no retry can help
     except Exception as e:
         tear(held)
         return f"cannot load snapshot {manifest.name} of {rank.snapshots.storage.location}: {e}"
-    held.before_heal = None
     step.record.resume_s = time.monotonic() - started
     log.info(
-        "resumed from snapshot %s: step %d in %.3f s",
+        "resumed from snapshot %s: step %d in %.3f s%s",
         manifest.name,
         manifest.step,
         step.record.resume_s,
+        " (loaded after the backward)" if stage else "",
     )
     return None
 

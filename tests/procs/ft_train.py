@@ -1,4 +1,8 @@
-"""A replica group's rank training a small model with phalanx DDP, for the tests.
+"""A replica group's rank training with phalanx DDP, for the tests, as a user's loop
+does: `zero_grad`, forward, `backward`, `step`, around an ordinary model of several
+gradient buckets (`user_model.ConvNet`), asking the manager nothing before its forward.
+Every backward runs under `user_model.SavedTensorGuard`: a heal that changed what
+autograd saved fails the rank.
 
 Prints one JSON line per step: the step it ran, whether it committed, the quorum, and
 a hash of its model and optimizer state after the step. Data is seeded by (step,
@@ -30,6 +34,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from dataclasses import replace
 
 import torch
@@ -38,6 +43,7 @@ from torch import nn
 import phalanx
 
 from state_digest import state_hash
+from user_model import ConvNet, SavedTensorGuard, batch
 
 
 class Pause:
@@ -191,7 +197,7 @@ def main() -> None:
         # Blocked in every thread (they inherit it), so that it waits for sigtimedwait.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model = ConvNet()
     if args.hold_in_heal:
         model.load_state_dict = held_once(model.load_state_dict)
     manager = phalanx.Manager(timeout=args.timeout)
@@ -209,16 +215,18 @@ def main() -> None:
         "pid": os.getpid(),
         "state_address": manager.state_address,
         "manager_address": manager.manager_address,
+        "t": time.time(),
     }
     print(json.dumps(ready), flush=True)
 
+    salt = zlib.crc32(manager.replica_id.encode()) + rank
+    guard = SavedTensorGuard()
     while manager.current_step() < args.steps:
         step = manager.current_step()
         optimizer.zero_grad()
-        g = torch.Generator().manual_seed(step * 1000 + hash(manager.replica_id) % 997 + rank)
-        x = torch.randn(32, 8, generator=g)
-        y = x.sum(dim=1, keepdim=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
+        x, y = batch(step, salt)
+        with guard:
+            loss = nn.functional.cross_entropy(ddp(x), y)
         if (
             hold.phase == "before_backward"
             and hold.due(step)
