@@ -405,8 +405,10 @@ def test_a_group_killed_during_local_steps_heals_at_the_next_sync(spawn, lightho
 
     restarted = start_group(spawn, lighthouse.address, "b", *flags)
     # Making the wrapper waits for a's next sync, and heals in it.
+    ready = restarted.expect(lambda line: line.get("event") == "ready", 60, "b is back")
     joined = restarted.expect(lambda line: line.get("event") == "joined", 60, "b joins")
     assert joined["healed"] and joined["committed"], joined
+    assert joined["t"] - ready["t"] < 2.0, "b took over 2 s to commit its first sync"
     assert joined["inner_step"] > alone["inner_step"], "it took the job's inner step"
     peer = a.expect(lambda line: line.get("step") == joined["step"], 30, "a at that step")
     assert peer["committed"] and peer["hash"] == joined["hash"]

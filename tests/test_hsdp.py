@@ -135,7 +135,9 @@ def test_hsdp_trains_like_one_process_on_the_combined_batch(spawn, tmp_path):
 @pytest.mark.slow
 def test_a_killed_group_heals_shard_by_shard_while_the_survivor_trains(spawn):
     # Trains until the test has seen enough, whatever the speed of the machine.
+    # A user's model of several layers, its loop asking nothing before the forward.
     flags = ("--steps", "100000", "--step-sleep", "0.05", "--optimizer", "adam", "--timeout", "8")
+    flags += ("--model", "convnet")
     with phalanx.LighthouseServer(
         bind="127.0.0.1:0", join_timeout=0.3, heartbeat_timeout=2.0
     ) as lighthouse:
@@ -168,6 +170,8 @@ def test_a_killed_group_heals_shard_by_shard_while_the_survivor_trains(spawn):
         assert any("healed to step" in line for line in child.stderr), child.describe()
         first = committed(child)[0]["after"]
         assert first > joint["after"], f"{child.name} resumed at step {first}, not its peers'"
+        ready = next(line for line in child.lines if line.get("event") == "ready")
+        assert committed(child)[0]["t"] - ready["t"] < 2.0, "b took over 2 s to commit again"
     after_kill = {line["participants"] for line in committed(a[0]) if line["t"] > killed_at + 0.5}
     assert after_kill == {1, 2}, "a trained alone, then with the healed group"
     assert assert_shards_bit_identical(a + b + b2) >= 2 * (4 + 10)

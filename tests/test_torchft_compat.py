@@ -49,9 +49,9 @@ class Job:
         ]
 
 
-#: About 10 s of training each on 2 cores: a few kills, each group back in about 1 s.
+#: About 10-25 s of training each on 2 cores: a few kills, each group back in about 1 s.
 JOBS = {
-    "ddp": Job("torchft_ddp.py", steps=1200),
+    "ddp": Job("torchft_ddp.py", steps=300),
     # Steps are syncs: one fragment every 2 inner steps, LocalSGD every 4.
     "diloco": Job("torchft_diloco.py", steps=500),
     "local_sgd": Job("torchft_local_sgd.py", steps=400),
@@ -169,6 +169,21 @@ def assert_a_killed_group_healed_and_caught_up(run: Run) -> None:
     assert caught_up, f"no restarted group committed a step with the others:\n{run.tail()}"
 
 
+def assert_restarted_lives_commit_within(run: Run, seconds: float) -> None:
+    """Each restarted life that lived `seconds` committed within them of its start:
+    its heal, wherever the loop first waited on the quorum, did not cost it steps."""
+    lives: dict[int, list[dict]] = defaultdict(list)
+    for r in run.records:
+        if r["pid"] in run.restarted:
+            lives[r["pid"]].append(r)
+    lived = {pid: rs for pid, rs in lives.items() if rs[-1]["t_end"] >= rs[0]["t_life"] + seconds}
+    assert lived, f"no restarted life lived {seconds} s:\n{run.tail()}"
+    for pid, records in lived.items():
+        first = next(r for r in records if r["committed"])
+        took = first["t_end"] - first["t_life"]
+        assert took < seconds, f"pid {pid} first committed {took:.2f} s after its start"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", list(JOBS))
@@ -183,6 +198,7 @@ def test_a_torchft_script_trains_through_kills_with_one_state_per_step(name):
     assert_quorum_ids_never_go_down(run)
     assert_the_loss_falls(run)
     assert_a_killed_group_healed_and_caught_up(run)
+    assert_restarted_lives_commit_within(run, 2.0)
     if job.nproc > 1:
         assert {r["rank"] for r in committed} == set(range(job.nproc))
 

@@ -1,4 +1,5 @@
-"""A replica group training a small model with phalanx.DiLoCo, for the fault tests.
+"""A replica group training `user_model.ConvNet` (several layers, 4.8 MB) with
+phalanx.DiLoCo, for the fault tests, every forward under `user_model.SavedTensorGuard`.
 
 Prints JSON lines: "joined" once the wrapper is made (the job's inner step, whether
 this group healed), "sync_started" when a sync starts at this inner step, "sync" for
@@ -21,6 +22,7 @@ from torch import nn
 import phalanx
 
 from state_digest import digest, tensors_of
+from user_model import ConvNet, SavedTensorGuard, batch
 
 
 def global_hash(diloco: phalanx.DiLoCo) -> str:
@@ -41,11 +43,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
-    model = nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
-    )
+    model = ConvNet()
     manager = phalanx.Manager(timeout=args.timeout)
-    print(json.dumps({"event": "ready", "pid": os.getpid()}), flush=True)
+    print(json.dumps({"event": "ready", "pid": os.getpid(), "t": time.time()}), flush=True)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     diloco = phalanx.DiLoCo(
         manager,
@@ -63,18 +63,20 @@ def main() -> None:
                 **(vars(diloco.last_sync) if diloco.last_sync is not None else {}),
                 "in_flight": diloco.last_sync is None,
                 "hash": global_hash(diloco),
+                "t": time.time(),
             }
         ),
         flush=True,
     )
     replica = zlib.crc32(manager.replica_id.encode())
     slot = args.sync_every // args.fragments
+    guard = SavedTensorGuard()
     while diloco.inner_step < args.steps:
         t = diloco.inner_step
         diloco.zero_grad()
-        g = torch.Generator().manual_seed(t * 1000 + replica % 997)
-        x = torch.randn(32, 8, generator=g)
-        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        x, y = batch(t, salt=replica % 997)
+        with guard:
+            loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         outcome = diloco.step()
         if diloco.inner_step % slot == 0 and (outcome is None or outcome.inner_step != t + 1):

@@ -5,6 +5,9 @@ contributed, and a hash of this rank's shards (model and optimizer) after the st
 Every rank may start from other weights (--seed): phalanx makes the group start from
 its rank 0's and every group from the first group's. Batches are seeded by (step,
 data index, group rank), so that a test can rebuild the combined batch of every step.
+
+`--model convnet` trains `user_model.ConvNet` instead (a user's model of several
+layers, each an FSDP2 unit), every forward under `user_model.SavedTensorGuard`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from torch import nn
 import phalanx
 
 from state_digest import state_hash
+from user_model import ConvNet, SavedTensorGuard
+from user_model import batch as image_batch
 
 IN, HIDDEN, OUT = 8, 16, 3  # OUT=3 over 2 ranks: uneven shards
 BATCH = 4
@@ -55,22 +60,36 @@ def main() -> None:
     parser.add_argument("--data-index", type=int, default=0)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     parser.add_argument("--save", default="", help="group rank 0 saves the full model here")
+    parser.add_argument("--model", choices=["mlp", "convnet"], default="mlp")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     seed = args.seed if args.seed >= 0 else int.from_bytes(os.urandom(4), "little")
-    model = build_model(seed)
     manager = phalanx.Manager(timeout=args.timeout)
-    model = phalanx.fully_shard_hsdp(model, manager, units=[model[0], model[2]])
+    if args.model == "convnet":
+        torch.manual_seed(seed)
+        model = ConvNet()
+        units = [model.conv1, model.conv2, model.fc1, model.fc2, model.fc3]
+    else:
+        model = build_model(seed)
+        units = [model[0], model[2]]
+    model = phalanx.fully_shard_hsdp(model, manager, units=units)
+    guard = SavedTensorGuard()
     optimizer = phalanx.Optimizer(manager, build_optimizer(args.optimizer, model.parameters()))
     rank = manager.group_rank
-    print(json.dumps({"event": "ready", "pid": os.getpid(), "rank": rank}), flush=True)
+    ready = {"event": "ready", "pid": os.getpid(), "rank": rank, "t": time.time()}
+    print(json.dumps(ready), flush=True)
 
     while manager.current_step() < args.steps:
         step = manager.current_step()
         optimizer.zero_grad()
-        x, y = batch(step, args.data_index, rank)
-        loss = nn.functional.mse_loss(model(x), y)
+        if args.model == "convnet":
+            x, y = image_batch(step, salt=args.data_index * 10 + rank)
+            with guard:
+                loss = nn.functional.cross_entropy(model(x), y)
+        else:
+            x, y = batch(step, args.data_index, rank)
+            loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         committed = optimizer.step()
         print(

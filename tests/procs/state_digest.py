@@ -22,7 +22,7 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     """SHA-256 of every byte of `tensors`, in order (16 hex digits)."""
     sha = hashlib.sha256()
     for t in tensors:
-        sha.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        sha.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
     return sha.hexdigest()[:16]
 
 

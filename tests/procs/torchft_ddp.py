@@ -1,7 +1,9 @@
 """A torchft DDP training script: Manager with state callbacks (model + optimizer),
-DistributedSampler over a small synthetic dataset, torchft's Optimizer wrapper and
-DistributedDataParallel. Written against torchft's public API; `phalanx run
---as-torchft` runs it on phalanx.torchft unchanged.
+DistributedSampler over a small synthetic image dataset, torchft's Optimizer wrapper
+and DistributedDataParallel around a CNN of several gradient buckets
+(`user_model.ConvNet`), its loop asking the manager nothing before the forward.
+Written against torchft's public API; `phalanx run --as-torchft` runs it on
+phalanx.torchft unchanged.
 
     phalanx run --as-torchft --replicas 3 -- tests/procs/torchft_ddp.py --steps 200
 
@@ -22,16 +24,14 @@ from torchft import DistributedDataParallel, DistributedSampler, Manager, Optimi
 from torchft_steplog import Environment, StepLog
 
 from state_digest import tensors_of
-
-FEATURES, HIDDEN = 8, 16
+from user_model import CHANNELS, SIDE, ConvNet, SavedTensorGuard
 
 
 def synthetic_dataset(samples: int = 512) -> TensorDataset:
-    """The same dataset in every group: a smooth function of 8 inputs."""
+    """The same dataset in every group: images labelled by their brightest channel."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, FEATURES, generator=g)
-    y = torch.sin(x[:, :4].sum(1, keepdim=True)) + 0.5 * x[:, 4:].mean(1, keepdim=True)
-    return TensorDataset(x, y)
+    x = torch.randn(samples, CHANNELS, SIDE, SIDE, generator=g)
+    return TensorDataset(x, x.mean(dim=(2, 3)).argmax(dim=1))
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+    module = ConvNet()
     inner = torch.optim.AdamW(module.parameters(), lr=args.lr)
 
     def state_dict() -> dict:
@@ -78,6 +78,7 @@ def main() -> None:
     model = DistributedDataParallel(manager, module)
     optimizer = Optimizer(manager, inner)
     log = StepLog(manager, env)
+    guard = SavedTensorGuard()
 
     epoch = 0
     while manager.current_step() < args.steps:
@@ -87,7 +88,8 @@ def main() -> None:
             started = time.time()
             before = manager.current_step()
             optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
+            with guard:
+                loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             state = lambda: tensors_of(module.state_dict(), inner)  # noqa: E731

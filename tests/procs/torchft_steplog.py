@@ -5,8 +5,9 @@ One JSON object a line: `step` is `manager.current_step()` after the step (the
 state's number), `committed` whether this step (or sync) committed, `quorum_id`,
 `lineage` and `healed` from the phalanx Manager underneath when there is one (None
 on a real torchft), `loss`, and `fingerprint`, the digest of the state the step
-committed (None when it did not). Records with equal (lineage, step, rank) and a
-fingerprint must carry the same one (I1).
+committed (None when it did not), `t_life` when this process imported it (its
+script's start, to time a restarted life's first commit). Records with equal
+(lineage, step, rank) and a fingerprint must carry the same one (I1).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import time
 from dataclasses import dataclass
 
 from state_digest import digest
+
+#: When this life of the script began (near enough: its imports are done here).
+LIFE_STARTED = time.time()
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class StepLog:
             "failure": record.failure if record else None,
             "t_start": started,
             "t_end": time.time(),
+            "t_life": LIFE_STARTED,
             **extra,
         }
         print(json.dumps(line), flush=True)

@@ -378,6 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc-per-replica 2); diloco: local steps, a sync every --sync-every",
     )
     parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
+    parser.add_argument(
+        "--model-dim",
+        type=int,
+        default=128,
+        help="the model's width (128: 0.43M parameters, 1.6 MB in 2 gradient buckets; "
+        "512: 6.4M, 24.5 MB)",
+    )
+    parser.add_argument(
+        "--batch-from",
+        choices=["quorum", "step"],
+        default="quorum",
+        help="quorum: each group's share of one sample stream, which waits for the step's "
+        "quorum before the forward; step: windows drawn from the step number alone, a loop "
+        "that asks the manager nothing before its forward (a restarted group then heals "
+        "inside its backward)",
+    )
     parser.add_argument("--out", type=Path, default=Path("phalanx-demo"), help="report folder")
     parser.add_argument("--seed", type=int, default=0, help="of the data and the failures")
     parser.add_argument(
@@ -510,6 +526,8 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         f"--seed={args.seed}",
         f"--strategy={args.strategy}",
         f"--sync-every={args.sync_every}",
+        f"--dim={args.model_dim}",
+        f"--batch-from={args.batch_from}",
         *training_args(args),
     )
     return launcher.LaunchConfig(
@@ -556,6 +574,8 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         "seed": args.seed,
         "strategy": args.strategy,
         "sync_every": args.sync_every if args.strategy == "diloco" else None,
+        "model_dim": args.model_dim,
+        "batch_from": args.batch_from,
         "train_args": training_args(args),
     }
     # The summary reaches the terminal whatever the disk allows.

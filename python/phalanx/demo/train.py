@@ -105,6 +105,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="ddp")
     parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo: inner steps a sync")
     parser.add_argument(
+        "--batch-from",
+        choices=["quorum", "step"],
+        default="quorum",
+        help="DDP, HSDP: quorum, this group's share of one sample stream (waits for the "
+        "quorum before the forward); step, windows drawn from the step number alone (asks "
+        "the manager nothing before the forward)",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -189,6 +197,8 @@ def train_replicated(
         model = phalanx.DistributedDataParallel(model, manager)
     optimizer = phalanx.Optimizer(manager, torch.optim.AdamW(model.parameters(), lr=args.lr))
     sampler = QuorumSampler(len(corpus), args.batch_size, seed=args.seed)
+    if args.batch_from == "step":
+        sampler = StepWindows(len(corpus), args.batch_size, seed=args.seed)
     manager.register_state("data", sampler.state_dict, sampler.load_state_dict)
     log = StepLog(manager, began)
 
@@ -209,6 +219,35 @@ def train_replicated(
             lambda: training_state(model.state_dict(), optimizer.optimizer),
             samples=sampler.cursor,
         )
+
+
+class StepWindows:
+    """Windows drawn from (seed, group, rank, step) alone: `indices()` asks the manager
+    nothing but its committed step, so the loop's first wait on the quorum is in
+    `backward()`, as in most training loops. `cursor` counts the samples the job's
+    committed steps read, as `QuorumSampler`'s does."""
+
+    def __init__(self, windows: int, batch_size: int, seed: int):
+        self.windows, self.batch_size, self.seed = windows, batch_size, seed
+        self.cursor = 0
+        self._manager: phalanx.Manager | None = None
+
+    def indices(self, manager: phalanx.Manager) -> list[int]:
+        self._manager = manager
+        key = f"{self.seed}/{manager.replica_id}/{manager.group_rank}/{manager.current_step()}"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        return torch.randint(self.windows, (self.batch_size,), generator=g).tolist()
+
+    def advance(self) -> None:
+        assert self._manager is not None
+        m = self._manager
+        self.cursor += m.num_participants() * m.group_world_size * self.batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.cursor = int(state["cursor"])
 
 
 def train_diloco(
