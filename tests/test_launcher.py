@@ -189,6 +189,19 @@ def test_a_failing_group_is_restarted_with_backoff_then_given_up():
     assert "group0: 2 restart(s); exits: 3 failed; given up" in done.stdout, "the summary"
 
 
+def test_a_group_that_crashes_the_same_way_in_every_life_is_named_a_crash_loop():
+    script = str(PROCS / "crash_after_start.py")
+    done = launch("--max-restarts", "3", "--restart-backoff", "0.05", "--", script, "--at", "0")
+
+    assert done.returncode == 1
+    crash = "RuntimeError: the loss is nan at step 0 (a bug in the script) (at step 0)"
+    loop = f"crash loop: 3 lives in a row ended by {crash}"
+    assert f"group0 is in a {loop}: fix the training script" in done.stdout, done.stdout
+    assert done.stdout.count(f"is in a {loop}") == 1, "named once, not at every life"
+    assert "crash loop: 4 lives in a row" in done.stdout, "the give-up line and the summary"
+    assert "; given up; crash loop: 4 lives in a row ended by RuntimeError" in done.stdout
+
+
 @pytest.mark.slow
 def test_evictions_as_stalled_are_counted_apart_from_failures():
     # A rank that exits as the watchdog does when the lighthouse evicts its group.
@@ -702,3 +715,36 @@ def test_chaos_kills_no_group_once_one_has_finished():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_rollback_while_groups_crash_loop_is_told_to_be_their_doing():
+    """Every restarted group died of the same exception before it could heal, so the
+    last holder's death left none: the launcher says so beside the rank's ROLLBACK."""
+    from phalanx.crashes import Crash, CrashReader
+
+    recorder = Recorder()
+    config = LaunchConfig(command=(sys.executable, "-c", "pass"), replicas=2, fork_server=False)
+    launcher = Launcher(config, "t0k3n", observer=recorder)
+    looping, holder = launcher.groups
+    boom = Crash("RuntimeError", "modified by an inplace operation", 12)
+    for _ in range(3):
+        reader = CrashReader()
+        reader.feed(
+            f"phalanx: replica group 'group0' rank 0 crashed at step 12: {boom.kind}: "
+            f"{boom.message}"
+        )
+        looping.readers = [reader]
+        found = looping.ended(Exit.FAILED, committed=False)
+    assert found is not None and found.crash == boom and found.lives == 3
+    assert looping.ended(Exit.CHAOS, committed=False) is None, "chaos is no crash"
+    assert looping.crash_loop == found
+
+    launcher.explain_rollback()
+    assert recorder.said[-1] == (
+        "the rollback above: every restarted group that could have healed to the newest "
+        "state crashed first (group0: crash loop: 3 lives in a row ended by RuntimeError: "
+        "modified by an inplace operation (at step 12))"
+    )
+    # A commit ends the loop.
+    looping.ended(Exit.FAILED, committed=True)
+    assert looping.crash_loop is None and holder.crash_loop is None

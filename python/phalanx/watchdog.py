@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
-from phalanx import _core
+from phalanx import _core, crashes
 from phalanx.progress import Progress
 
 log = logging.getLogger("phalanx.watchdog")
@@ -56,13 +57,35 @@ DUMP_SIGNAL = signal.SIGRTMIN + 6
 _ranks: weakref.WeakSet = weakref.WeakSet()
 
 
-def hosts(rank: object) -> None:
-    """This process hosts `rank` (a Manager) until it is shut down or gone."""
+#: The last rank this process hosted: (replica id, group rank, its step then).
+_last: tuple[str, int, int] | None = None
+
+
+def hosts(rank: Any) -> None:
+    """This process hosts `rank` (a Manager) until it is shut down or gone; an
+    exception that ends the process names the rank's step (`phalanx.crashes`)."""
     _ranks.add(rank)
+    if getattr(sys.excepthook, "__name__", "") != _uncaught.__name__:
+        _uncaught.previous = sys.excepthook  # type: ignore[attr-defined]
+        sys.excepthook = _uncaught
 
 
-def left(rank: object) -> None:
+def left(rank: Any) -> None:
+    global _last
     _ranks.discard(rank)
+    _last = (rank.replica_id, rank.group_rank, rank.current_step())
+
+
+def _uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """After the traceback, one line per rank (or the last one, if the exception
+    shut it down on its way out) that `phalanx run` reads as what the life died of."""
+    _uncaught.previous(kind, value, tb)  # type: ignore[attr-defined]
+    if issubclass(kind, KeyboardInterrupt):
+        return
+    ranks = [(r.replica_id, r.group_rank, r.current_step()) for r in list(_ranks)]
+    for replica_id, group_rank, step in ranks or ([_last] if _last else []):
+        line = crashes.marker(replica_id, group_rank, step, kind.__name__, str(value))
+        print(line, file=sys.stderr, flush=True)
 
 
 def arm(client: _core.ManagerClient, replica_id: str) -> None:

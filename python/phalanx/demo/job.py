@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import launcher
+from phalanx.crashes import CrashLoop
 from phalanx.demo.display import Progress
 from phalanx.demo.lighthouses import LighthouseSet
 from phalanx.demo.report import (
@@ -176,6 +177,8 @@ class DemoJob(launcher.LaunchObserver):
         self._lost_at: float | None = None
         #: Its groups killed so far (the launcher tells of them one by one).
         self._lost_groups: set[str] = set()
+        #: Groups whose lives died of one exception again and again (`phalanx.crashes`).
+        self.crash_loops: list[dict[str, Any]] = []
 
     def warn(self, text: str) -> None:
         self.progress.event(f"warning: {text}")
@@ -199,6 +202,20 @@ class DemoJob(launcher.LaunchObserver):
                 self._step(record)
                 return
         self._rank_log.write(f"[{group.replica_id}/{rank}] {line.decode(errors='replace')}\n")
+
+    def crash_loop(self, group: launcher.Group, loop: CrashLoop) -> None:
+        crash, now = loop.crash, time.time()
+        self.crash_loops.append(
+            {
+                "at_s": round(now - (self.trained_from or self.started), 2),
+                "replica": group.replica_id,
+                "lives": loop.lives,
+                "kind": crash.kind,
+                "message": crash.message,
+                "step": crash.step,
+            }
+        )
+        self.progress.event(f"{self._clock(now)}  {group.replica_id} is in a {loop}")
 
     def group_event(self, kind: str, group: launcher.Group) -> None:
         now = time.time()
@@ -559,6 +576,7 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         exited=exited,
         snapshot_every=args.snapshots.every.steps if args.snapshots else None,
     )
+    report["crash_loops"] = job.crash_loops
     report["config"] = {
         "replicas": args.replicas,
         "nproc_per_replica": args.nproc_per_replica,

@@ -649,6 +649,14 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             "rollbacks (committed steps lost)",
             f"{len(r['rollbacks'])} ({sum(b['steps_lost'] for b in r['rollbacks'])})",
         ),
+        *(
+            (
+                f"crash loop of {c['replica']}",
+                f"{c['lives']} lives in a row: {c['kind']}: {c['message'][:80]}"
+                + ("" if c["step"] is None else f" (at step {c['step']})"),
+            )
+            for c in r.get("crash_loops", [])
+        ),
         *_job_loss_rows(r),
         (
             "replicas bit-identical",

@@ -80,7 +80,9 @@ def _rank(order: dict, output: int) -> NoReturn:
         traceback.print_exc()
         code = 128 + signal.SIGINT
     except BaseException:
-        traceback.print_exc()
+        # As the interpreter does for an uncaught exception: the program's own hook
+        # (phalanx's names the step a Manager was at, for `phalanx run`) prints it.
+        sys.excepthook(*sys.exc_info())
         code = 1
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -8,6 +8,7 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
+from phalanx.crashes import Crash, CrashLoop, CrashReader
 from phalanx.restarts import CommitWatch, Exit, RestartCount
 
 
@@ -35,10 +36,31 @@ class Group:
     #: Until when a training thread of it is blocked by --chaos: its exit as stalled
     #: meanwhile does not count against --max-restarts either.
     chaos_thread_hung_until: float | None = None
+    #: What each rank of this life printed of a crash.
+    readers: list[CrashReader] = field(default_factory=list)
+    #: What its failed lives since it last committed died of (None: unknown, or an
+    #: eviction as stalled), oldest first; and the crash loop they end in, if any.
+    crashes: list[Crash | None] = field(default_factory=list)
+    crash_loop: CrashLoop | None = None
 
     @property
     def alive(self) -> bool:
         return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def ended(self, cause: Exit, committed: bool) -> CrashLoop | None:
+        """Adds what this life died of to its crashes (`committed`: it committed a
+        step, which starts them afresh); returns a crash loop newly found."""
+        if committed:
+            self.crashes, self.crash_loop = [], None
+        if cause is Exit.CHAOS:
+            return None
+        found = next((r.crash for r in self.readers if r.crash is not None), None)
+        self.crashes.append(found if cause is Exit.FAILED else None)
+        loop, was = CrashLoop.of(self.crashes), self.crash_loop
+        self.crash_loop = loop
+        if loop is None or (was is not None and was.crash.same(loop.crash)):
+            return None
+        return loop
 
     def signal(self, signum: int) -> None:
         """Sends `signum` to each of its ranks still running."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from phalanx.crashes import CrashLoop
 from phalanx.launcher.group import Group
 
 
@@ -51,6 +52,9 @@ class LaunchObserver:
         "hang", "resume" and "exit" of a group, and on
         "stop" of each group still running when the job ends (just before its ranks
         are told to stop)."""
+
+    def crash_loop(self, group: Group, loop: CrashLoop) -> None:
+        """`group`'s last lives all died of one exception (`phalanx.crashes`)."""
 
     def trains(self) -> bool:
         """Whether the job trains yet: the clocks of --chaos and of `run(duration)`

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from phalanx import _core, watchdog
+from phalanx.crashes import CrashReader
 from phalanx.forkserver import ForkServer, die_with_parent
 from phalanx.launcher.chaos import Injector
 from phalanx.launcher.config import LaunchConfig
@@ -37,6 +38,7 @@ class _Output:
     group: Group | None
     rank: int
     pending: bytearray = field(default_factory=bytearray)
+    reader: CrashReader | None = None
 
 
 def _free_port() -> int:
@@ -109,6 +111,7 @@ class Launcher:
         port = _free_port()
         world = self.config.nproc_per_replica
         group.procs = []
+        group.readers = []
         group.watch = CommitWatch()
         for rank in range(world):
             env = {
@@ -128,7 +131,8 @@ class Launcher:
                 env["PHALANX_TOKEN"] = self.token
             if self.chaos.hang_thread_every:
                 env[watchdog.CHAOS_ENV] = str(self.chaos.thread_hang_s)
-            output = _Output(group, rank)
+            output = _Output(group, rank, reader=CrashReader())
+            group.readers.append(output.reader)
             group.procs.append(self._fork(env, output) or self._spawn(env, output))
         how = "forked" if self.fork_server is not None else "new processes"
         self.say(
@@ -176,8 +180,12 @@ class Launcher:
             for line in lines:
                 if output.group is None:
                     self.say(f"fork server: {line.decode(errors='replace')}")
-                else:
-                    self.observer.rank_line(output.group, output.rank, line)
+                    continue
+                if output.reader is not None:
+                    output.reader.feed(line.decode(errors="replace"))
+                self.observer.rank_line(output.group, output.rank, line)
+                if b"ROLLBACK: " in line:
+                    self.explain_rollback()
 
     # -- the loop -----------------------------------------------------------------
 
@@ -206,6 +214,9 @@ class Launcher:
         cause = Exit.of(codes, chaos_killed=group.chaos_killed, chaos_hung=chaos_hung)
         group.chaos_killed, group.chaos_thread_hung_until = False, None
         group.exits[cause] += 1
+        if (loop := group.ended(cause, committed=group.watch.committed)) is not None:
+            self.say(f"{group.replica_id} is in a {loop}: fix the training script")
+            self.observer.crash_loop(group, loop)
         group.count = group.count.after(cause, committed=group.watch.committed)
         limit = self.config.max_restarts
         if cause is Exit.CHAOS:
@@ -213,9 +224,10 @@ class Launcher:
             self.restart(group, self.config.restart_backoff, f"{why} by chaos", now)
         elif group.count.exceeds(limit):
             group.given_up = True
+            loop = f"; {group.crash_loop}" if group.crash_loop is not None else ""
             self.say(
                 f"{group.replica_id} gave up after {group.restarts} restart(s): "
-                f"{group.count}, over --max-restarts {limit}"
+                f"{group.count}, over --max-restarts {limit}{loop}"
             )
         elif not self.lighthouse_reachable():
             group.given_up = True
@@ -227,6 +239,17 @@ class Launcher:
             backoff = group.count.backoff(self.config.restart_backoff)
             why = f"{cause.value}: {group.count}, of --max-restarts {limit} each"
             self.restart(group, backoff, why, now)
+
+    def explain_rollback(self) -> None:
+        """A rank announced a rollback: the groups in a crash loop are why no holder of
+        the newest state could come back, if any are."""
+        looping = [g for g in self.groups if g.crash_loop is not None]
+        if looping:
+            named = "; ".join(f"{g.replica_id}: {g.crash_loop}" for g in looping)
+            self.say(
+                "the rollback above: every restarted group that could have healed to the "
+                f"newest state crashed first ({named})"
+            )
 
     def restart(self, group: Group, backoff: float, why: str, now: float) -> None:
         group.restarts += 1
@@ -385,6 +408,8 @@ class Launcher:
             if group.exits:
                 causes = ", ".join(f"{group.exits[c]} {c.value}" for c in Exit if group.exits[c])
                 end = "; given up" if group.given_up else ""
+                if group.crash_loop is not None:
+                    end += f"; {group.crash_loop}"
                 self.say(f"{group.replica_id}: {group.restarts} restart(s); exits: {causes}{end}")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
