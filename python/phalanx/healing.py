@@ -85,18 +85,18 @@ def heal_step(
     why it failed, or None.
 
     Without `stage` the bytes go straight into the registered tensors and the state is
-    loaded at once; a failed fetch may have written part of the tensors, so the state
-    is then torn (`held.tear()`). With `stage` (an autograd graph may hold the
-    registered tensors: I13) they go into buffers of their own, kept on the step
-    (`step.staged`) until `load_staged()` loads them where no graph does; a failed
-    fetch then leaves the state as it was."""
+    loaded at once. With `stage` (an autograd graph may hold the registered tensors:
+    I13) they go into buffers of their own, kept on the step (`step.staged`) until
+    `load_staged()` loads them where no graph does. Either way a failed fetch tears
+    the state (`held.tear()`): in place it may have written part of the tensors, and
+    the vote then takes every rank of the group back to the step it held before, so
+    that a rank whose fetch succeeded does not go on alone."""
     sources = [s.state_address for s in quorum.recovery_sources]
     if not sources:
         step.heal_failed = True
         return f"must heal to step {quorum.max_step} but no up-to-date peer serves it"
     started = time.monotonic()
-    if not stage:
-        held.begin_heal()
+    held.begin_heal()
 
     def record(stats: _core.FetchStats) -> None:
         step.record.heal_bytes = stats.bytes
@@ -123,8 +123,7 @@ def heal_step(
         raise  # this group was built unlike its peers: no retry can help
     except (ConnectionError, PermissionError, ValueError, TimeoutError) as e:
         step.heal_failed = True
-        if not stage:
-            tear(held)
+        tear(held)
         return f"heal to step {quorum.max_step} failed: {e}"
     step.record.heal_s = time.monotonic() - started
     received = Received(state, quorum.max_step, (quorum.max_state_quorum_id, quorum.lineage))

@@ -142,8 +142,9 @@ class Manager:
         """Tells the manager when `module`'s forward builds an autograd graph, so that a
         state this group heals after it, while the graph may hold the registered
         tensors, is loaded only at the vote, after the step's last backward (I13).
-        phalanx's DDP and HSDP watch the module they wrap; a loop of its own that calls
-        `wait_quorum()` after its forward watches its model here."""
+        phalanx's DDP watches the module it wraps (HSDP takes the quorum after the
+        backward); a loop of its own that calls `wait_quorum()` after its forward
+        watches its model here."""
 
         def began(*_: object) -> None:
             if torch.is_grad_enabled():
