@@ -15,6 +15,7 @@ import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from torch import nn
 
@@ -174,12 +175,36 @@ def test_the_ranks_of_a_group_apply_the_average_of_their_gradients(lighthouse):
         torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_group_that_heals_inside_its_backward_commits_its_first_step(lighthouse):
+def train_step(loop: str, manager, ddp, x: torch.Tensor, y: torch.Tensor, guard) -> None:
+    """One step's forward and backward passes, as loops of each shape write them."""
+    if loop == "accumulate":  # two micro-batches, the first under no_sync()
+        with ddp.no_sync():
+            with guard:
+                out = ddp(x[:8])
+            nn.functional.cross_entropy(out, y[:8]).backward()
+        x, y = x[8:], y[8:]
+    with guard:
+        if loop == "checkpoint":  # fc1's activations recomputed during backward
+            m = ddp.module
+            h = torch.relu(m.conv2(torch.relu(m.conv1(x)))).flatten(1)
+            h = torch.utils.checkpoint.checkpoint(m.fc1, h, use_reentrant=False)
+            out = m.fc3(torch.relu(m.fc2(torch.relu(h))))
+        else:
+            out = ddp(x)
+    if loop == "asks_after_forward":  # the quorum (and the heal) between the passes
+        manager.wait_quorum()
+    nn.functional.cross_entropy(out, y).backward()
+
+
+@pytest.mark.parametrize("loop", ["plain", "asks_after_forward", "checkpoint", "accumulate"])
+def test_a_group_that_heals_inside_its_backward_commits_its_first_step(lighthouse, loop):
     """The README's loop around a model of several buckets, asking the manager nothing
     before its forward: a group that joins late takes its quorum, and heals, in the
     first bucket's all-reduce, while backward still needs the other layers' weights.
     The healed state loads once its backward is done (I13): nothing autograd saved
-    changes, the group commits its very first step, and both hold the same bits."""
+    changes, the group commits its very first step, and both hold the same bits. Also
+    with the quorum asked between the forward and the backward, activation
+    checkpointing, and two backward passes a step (the first under `no_sync()`)."""
     from state_digest import state_hash
     from user_model import ConvNet, SavedTensorGuard, batch
 
@@ -202,9 +227,7 @@ def test_a_group_that_heals_inside_its_backward_commits_its_first_step(lighthous
                 step = manager.current_step()
                 optimizer.zero_grad()
                 x, y = batch(step, salt=ord(name))
-                with guard:
-                    out = ddp(x)
-                nn.functional.cross_entropy(out, y).backward()
+                train_step(loop, manager, ddp, x, y, guard)
                 committed = optimizer.step()
                 if name == "b":
                     assert committed, f"b's step {step} did not commit: {manager.failure}"
@@ -222,3 +245,30 @@ def test_a_group_that_heals_inside_its_backward_commits_its_first_step(lighthous
     a, b = in_groups(group)
     assert min(b) > 3, "b did not heal to a's step"
     assert all(a[step] == digest for step, digest in b.items()), "b's state differs from a's"
+
+
+def test_a_second_backward_without_no_sync_fails_the_step_naming_the_fix(lighthouse):
+    """Gradients added to already averaged ones would differ between the groups: the
+    step fails (nothing is applied) and says what to change."""
+    from user_model import ConvNet, batch
+
+    with manager_for(lighthouse, "a") as manager:
+        model = ConvNet()
+        ddp = phalanx.DistributedDataParallel(model, manager)
+        optimizer = phalanx.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=LR))
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        x, y = batch(0)
+        for half in (slice(0, 8), slice(8, 16)):
+            nn.functional.cross_entropy(ddp(x[half]), y[half]).backward()
+        assert not optimizer.step()
+        assert "wrap every backward of the step but its last in `with model.no_sync():`" in (
+            manager.last_step.failure
+        )
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        # The next step, written as asked, commits.
+        optimizer.zero_grad()
+        with ddp.no_sync():
+            nn.functional.cross_entropy(ddp(x[:8]), y[:8]).backward()
+        nn.functional.cross_entropy(ddp(x[8:]), y[8:]).backward()
+        assert optimizer.step()

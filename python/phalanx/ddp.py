@@ -14,6 +14,7 @@ fresh allocation per bucket and step, which measured dearer than the copy into i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterator
 
@@ -151,14 +152,42 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
+        self._sync = True
         manager.register_pre_commit(self._flush)
         # Its forward builds the graph a heal must not touch (I13).
         manager.watch_forward(module)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate their gradients locally and average
+        nothing; the step's last backward, outside, averages the sum (gradient
+        accumulation, as with torch's DDP)::
+
+            with model.no_sync():
+                loss_fn(model(x1), y1).backward()
+            loss_fn(model(x2), y2).backward()
+        """
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def _hook(self, bucket: _Bucket):
         def ready(_: torch.Tensor) -> None:
+            if not self._sync:
+                return
+            if bucket.launched:
+                # Its gradients are averaged views already: this backward added
+                # local ones to them, which no other group applies (I1).
+                self._manager.report_error(
+                    "a second backward pass in one step added to gradients already "
+                    "averaged over the quorum; wrap every backward of the step but its "
+                    "last in `with model.no_sync():`"
+                )
+                return
             bucket.ready += 1
-            if bucket.ready == len(bucket.params) and not bucket.launched:
+            if bucket.ready == len(bucket.params):
                 bucket.launch(self._manager)
 
         return ready
@@ -170,6 +199,7 @@ class DistributedDataParallel(nn.Module):
             if not bucket.launched:
                 bucket.launch(self._manager)
             bucket.launched = False
+            bucket.ready = 0
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
