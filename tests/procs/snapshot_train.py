@@ -125,11 +125,12 @@ def hold_writes(mode: str, hold_from: int) -> None:
 
 
 def report_resumes(fingerprint) -> None:
-    """Prints a line, with the state's fingerprint, whenever this rank loads a snapshot."""
+    """Prints a line, with the state's fingerprint, whenever this rank loads a snapshot
+    (its loop asks for the quorum before its forward, so the snapshot loads at once)."""
     resume = phalanx.transaction.resume
 
-    def reporting_resume(rank, step, manifest):
-        failure = resume(rank, step, manifest)
+    def reporting_resume(rank, step, manifest, *args):
+        failure = resume(rank, step, manifest, *args)
         line = {
             "event": "resumed",
             "name": manifest.name,
