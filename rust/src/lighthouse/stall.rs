@@ -34,6 +34,8 @@ pub struct Watched {
     pub asked_at: Option<Instant>,
     /// The last step it reported.
     pub step: i64,
+    /// It was a member of a quorum since it appeared.
+    pub joined: bool,
     /// When its heartbeat stream opened; none without one.
     pub stream_opened_at: Option<Instant>,
 }
@@ -239,12 +241,15 @@ pub fn member_due(
     (Some(training.due()), evict_at)
 }
 
-/// When a group that trained (step above 0) but is outside the current quorum is to
-/// be evicted as stalled: a thread that hung after its vote made its group miss the
-/// next quorum (the join timeout went on without it), so no peer waits on it any
-/// more, yet it is hung and should be restarted. A healthy group out of the quorum
-/// asks for the next one at once. Counted from its stream's opening too, so that a
-/// group resumed from SIGSTOP reports its progress before it is judged.
+/// When a group that trained (it reported a step above 0, or was a member of a
+/// quorum) but is outside the current quorum is to be evicted as stalled: a thread
+/// that hung after its vote made its group miss the next quorum (the join timeout
+/// went on without it), so no peer waits on it any more, yet it is hung and should be
+/// restarted. So did a healing group's thread that hung loading the state it fetched
+/// (at its step's end, still at step 0). A healthy group out of the quorum asks for
+/// the next one at once; one still starting up (step 0, never a member) may take its
+/// time. Counted from its stream's opening too, so that a group resumed from SIGSTOP
+/// reports its progress before it is judged.
 pub fn dropped_due(groups: &impl Groups, id: &str) -> Option<Instant> {
     if groups.quorum().is_some_and(|q| q.contains(id)) {
         return None;
@@ -260,5 +265,5 @@ pub fn dropped_at(group: &Watched) -> Option<Instant> {
     }
     let training = group.training?;
     let opened_at = group.stream_opened_at?;
-    (group.step > 0).then(|| training.due().max(opened_at + training.stall_timeout))
+    (group.step > 0 || group.joined).then(|| training.due().max(opened_at + training.stall_timeout))
 }

@@ -51,6 +51,9 @@ struct Replica {
     steps: StepSamples,
     /// When it last committed a step, or when it appeared.
     last_commit: Instant,
+    /// It was a member of a quorum since it appeared: it takes part in training even
+    /// before it reports a step (a group that heals joins at step 0).
+    joined: bool,
 }
 
 struct PendingJoin {
@@ -169,7 +172,7 @@ impl Groups for Watch<'_> {
         }))
     }
 
-    /// Each group's own record first (one that reports no training or never stepped
+    /// Each group's own record first (one that reports no training or never trained
     /// is never due), then a search of the quorum's sorted members, and only for the
     /// groups outside it, of the joiners.
     fn dropped(&self) -> Box<dyn Iterator<Item = (&str, Instant)> + '_> {
@@ -188,6 +191,7 @@ fn as_watched(replica: Option<&Replica>, asked_at: Option<Instant>) -> Watched {
         training: replica.and_then(|r| r.pulse.training()),
         asked_at,
         step: replica.map_or(0, |r| r.pulse.step()),
+        joined: replica.is_some_and(|r| r.joined),
         stream_opened_at: replica.and_then(|r| r.stream.as_ref().map(|s| s.opened_at)),
     }
 }
@@ -343,6 +347,7 @@ impl LighthouseState {
                         history,
                         steps: StepSamples::default(),
                         last_commit: now,
+                        joined: false,
                     },
                 );
             }
@@ -424,13 +429,13 @@ impl LighthouseState {
         self.late_cursor = 0;
         let pulse = self.new_pulse(now, beat.step);
         pulse.beat(now, beat.step, beat.last_quorum_id);
-        let (history, steps, last_commit) = match self.replicas.remove(id) {
+        let (history, steps, last_commit, joined) = match self.replicas.remove(id) {
             Some(known) => {
                 pulse.set_lease_quorum(known.pulse.lease_quorum());
                 known.pulse.retire();
-                (known.history, known.steps, known.last_commit)
+                (known.history, known.steps, known.last_commit, known.joined)
             }
-            None => (self.lost.returned(id), StepSamples::default(), now),
+            None => (self.lost.returned(id), StepSamples::default(), now, false),
         };
         self.next_ticket += 1;
         let stream_id = self.next_ticket;
@@ -448,6 +453,7 @@ impl LighthouseState {
                 history,
                 steps,
                 last_commit,
+                joined,
             },
         );
         Ok((stream_id, pulse))
@@ -819,8 +825,9 @@ impl LighthouseState {
             }
         }
         for id in quorum.replica_ids() {
-            if let Some(r) = self.replicas.get(id) {
+            if let Some(r) = self.replicas.get_mut(id) {
                 r.pulse.set_lease_quorum(quorum.id);
+                r.joined = true;
             }
         }
         self.heard.fetch_max(quorum.id, Relaxed);

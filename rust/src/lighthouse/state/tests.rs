@@ -219,6 +219,41 @@ fn a_group_that_trained_and_dropped_out_of_the_quorum_stalled_is_evicted_and_tol
 }
 
 #[test]
+fn a_healing_group_that_hung_at_step_0_and_dropped_out_of_the_quorum_is_evicted() {
+    let t = Instant::now();
+    let ms = |n: u64| t + Duration::from_millis(n);
+    let mut s = state();
+    let ((_, a), _a_events) = open(&mut s, "a", t);
+    let ((_, b), _b_events) = open(&mut s, "b", t);
+    let ((_, c), mut c_events) = open(&mut s, "c", t);
+    // c joined a quorum at step 0 to heal, and hung loading what it fetched: the next
+    // quorum went on without it, and it still reports step 0.
+    form_quorum(&mut s, &["a", "b", "c"], t);
+    let mut replies = Vec::new();
+    for id in ["a", "b"] {
+        let (tx, rx) = oneshot::channel();
+        s.join(member(id), 1, ms(1000), tx).unwrap();
+        replies.push(rx);
+    }
+    assert!(b.beat(ms(1500), 5, 1) && c.beat(ms(1500), 0, 1));
+    let issued = s.evaluate(ms(2500), 0);
+    assert!(issued.is_some(), "{}", s.waiting_reason(ms(2500)));
+    assert!(c.beat(ms(3000), 0, 1));
+    trained(&c, ms(3000), 3000, 0);
+    trained(&b, ms(4000), 0, 0);
+    trained(&a, ms(4000), 0, 0);
+    assert_eq!(s.evict_stalled(ms(4000)), (vec![], false), "not 5 s yet");
+    assert!(c.beat(ms(5000), 0, 1));
+    trained(&c, ms(5000), 5000, 0);
+    assert_eq!(s.evict_stalled(ms(5000)).0, vec!["c".to_string()]);
+    let own = lost(&mut c_events);
+    assert_eq!(
+        (own.lost, own.cause.as_str()),
+        (vec!["c".to_string()], "progress_stalled")
+    );
+}
+
+#[test]
 fn a_group_back_from_a_pause_or_not_trained_yet_is_not_taken_for_dropped() {
     let t = Instant::now();
     let ms = |n: u64| t + Duration::from_millis(n);
