@@ -171,6 +171,24 @@ fn a_group_that_waits_or_asks_for_a_quorum_or_reports_nothing_is_not_stalled() {
     assert_eq!(s.evict_stalled(ms(20000)), (vec![], false));
 }
 
+/// Forms a quorum of a, b and c at `t`, then, from `t` + 1 s, a quorum of the two in
+/// `stay`: the other one dropped out. b and c beat at 1.5 s, reporting `step`.
+fn drop_out(s: &mut LighthouseState, t: Instant, stay: [&str; 2], pulses: [&Pulse; 3], step: i64) {
+    let ms = |n: u64| t + Duration::from_millis(n);
+    form_quorum(s, &["a", "b", "c"], t);
+    let mut replies = Vec::new();
+    for id in stay {
+        let (tx, rx) = oneshot::channel();
+        s.join(member(id), 1, ms(1000), tx).unwrap();
+        replies.push(rx);
+    }
+    for pulse in pulses.iter().skip(1) {
+        assert!(pulse.beat(ms(1500), step, 1));
+    }
+    let issued = s.evaluate(ms(2500), 0);
+    assert!(issued.is_some(), "{}", s.waiting_reason(ms(2500)));
+}
+
 #[test]
 fn a_group_that_trained_and_dropped_out_of_the_quorum_stalled_is_evicted_and_told() {
     let t = Instant::now();
@@ -179,21 +197,8 @@ fn a_group_that_trained_and_dropped_out_of_the_quorum_stalled_is_evicted_and_tol
     let ((_, a), _a_events) = open(&mut s, "a", t);
     let ((_, b), mut b_events) = open(&mut s, "b", t);
     let ((_, c), _c_events) = open(&mut s, "c", t);
-    form_quorum(&mut s, &["a", "b", "c"], t);
     // b hung after its vote: the next quorum went on without it.
-    let mut replies = Vec::new();
-    for id in ["a", "c"] {
-        let (tx, rx) = oneshot::channel();
-        s.join(member(id), 1, ms(1000), tx).unwrap();
-        replies.push(rx);
-    }
-    assert!(b.beat(ms(1500), 5, 1) && c.beat(ms(1500), 5, 1));
-    let issued = s.evaluate(ms(2500), 0);
-    assert!(
-        issued.is_some(),
-        "a quorum of a and c: {}",
-        s.waiting_reason(ms(2500))
-    );
+    drop_out(&mut s, t, ["a", "c"], [&a, &b, &c], 5);
     assert!(c.beat(ms(3000), 5, 1));
     trained(&c, ms(3000), 0, 0);
     assert!(b.beat(ms(3000), 5, 1));
@@ -228,16 +233,7 @@ fn a_healing_group_that_hung_at_step_0_and_dropped_out_of_the_quorum_is_evicted(
     let ((_, c), mut c_events) = open(&mut s, "c", t);
     // c joined a quorum at step 0 to heal, and hung loading what it fetched: the next
     // quorum went on without it, and it still reports step 0.
-    form_quorum(&mut s, &["a", "b", "c"], t);
-    let mut replies = Vec::new();
-    for id in ["a", "b"] {
-        let (tx, rx) = oneshot::channel();
-        s.join(member(id), 1, ms(1000), tx).unwrap();
-        replies.push(rx);
-    }
-    assert!(b.beat(ms(1500), 5, 1) && c.beat(ms(1500), 0, 1));
-    let issued = s.evaluate(ms(2500), 0);
-    assert!(issued.is_some(), "{}", s.waiting_reason(ms(2500)));
+    drop_out(&mut s, t, ["a", "b"], [&a, &b, &c], 0);
     assert!(c.beat(ms(3000), 0, 1));
     trained(&c, ms(3000), 3000, 0);
     trained(&b, ms(4000), 0, 0);
