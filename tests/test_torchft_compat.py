@@ -170,18 +170,21 @@ def assert_a_killed_group_healed_and_caught_up(run: Run) -> None:
 
 
 def assert_restarted_lives_commit_within(run: Run, seconds: float) -> None:
-    """Each restarted life that lived `seconds` committed within them of its start:
-    its heal, wherever the loop first waited on the quorum, did not cost it steps."""
+    """Each restarted life committed within `seconds` of its start, or ended (killed
+    again, or the job finished) sooner: its heal, wherever the loop first waited on
+    the quorum, did not cost it steps. A life's first record carries its start."""
     lives: dict[int, list[dict]] = defaultdict(list)
     for r in run.records:
         if r["pid"] in run.restarted:
             lives[r["pid"]].append(r)
-    lived = {pid: rs for pid, rs in lives.items() if rs[-1]["t_end"] >= rs[0]["t_life"] + seconds}
-    assert lived, f"no restarted life lived {seconds} s:\n{run.tail()}"
-    for pid, records in lived.items():
-        first = next(r for r in records if r["committed"])
-        took = first["t_end"] - first["t_life"]
-        assert took < seconds, f"pid {pid} first committed {took:.2f} s after its start"
+    for pid, records in lives.items():
+        first = next((r for r in records if r["committed"]), None)
+        if first is None:
+            lived = records[-1]["t_end"] - records[0]["t_life"]
+            assert lived < seconds, f"pid {pid} lived {lived:.2f} s and never committed"
+        else:
+            took = first["t_end"] - first["t_life"]
+            assert took < seconds, f"pid {pid} first committed {took:.2f} s after its start"
 
 
 @pytest.mark.slow
