@@ -14,6 +14,14 @@
 //!   asked yet (a restarted group still importing torch) joins at the next round;
 //! - otherwise (the job's first quorum, or a live previous member is late) wait up
 //!   to `join_timeout` after the first request of the round;
+//! - past it, a late member still *on its way* holds the round: its beats say it
+//!   made progress within the join timeout (it is computing or healing, not hung),
+//!   and the round is younger than twice the time the quickest member took for the
+//!   step (see [`straggler_at`]). Waiting for it costs less than healing it: a member
+//!   left out is behind at the next round, heals there, and misses the round after
+//!   while it heals, so a job of many groups would split into cohorts that leapfrog,
+//!   each averaging few groups' gradients. A hung member stops progressing and a
+//!   straggler runs past the bound, and both are left out;
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
 //!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
@@ -185,6 +193,11 @@ pub trait LiveSet {
     fn is_live(&self, replica_id: &str) -> bool;
     /// Every live replica, in any order.
     fn live_ids(&self) -> Box<dyn Iterator<Item = &str> + '_>;
+    /// When the group last made progress in its training, as its beats report it;
+    /// None when it does not report it.
+    fn progressed_at(&self, _replica_id: &str) -> Option<Instant> {
+        None
+    }
 }
 
 impl LiveSet for BTreeSet<ReplicaId> {
@@ -243,6 +256,11 @@ pub enum WaitReason {
     },
     /// Live members of the previous quorum that have not rejoined yet.
     LateMembers {
+        missing: Missing,
+    },
+    /// Past the join timeout: late members of the previous quorum that still make
+    /// progress (computing or healing their step), until `straggler_at`.
+    MembersOnTheirWay {
         missing: Missing,
     },
     /// No group asking holds the job's newest state, and one that held it may come back.
@@ -329,6 +347,12 @@ impl fmt::Display for WaitReason {
                 f,
                 "waiting up to the join timeout for live members of the previous quorum: {missing}"
             ),
+            WaitReason::MembersOnTheirWay { missing } => write!(
+                f,
+                "past the join timeout, waiting for members of the previous quorum that are \
+                 still computing their step (they make progress; one that stops, or takes \
+                 twice as long as the quickest, is left out): {missing}"
+            ),
             WaitReason::NewestStateAway { newest, best } => {
                 write!(
                     f,
@@ -348,6 +372,29 @@ impl fmt::Display for WaitReason {
 /// How long, in join timeouts from the issue of the previous quorum, a live member of
 /// it that has not asked again still counts toward the majority.
 pub const LATE_MEMBER_JOIN_TIMEOUTS: u32 = 10;
+
+/// Until when a round whose first request came at `first_join` waits for late
+/// members of the previous quorum (issued at `previous_at`) that are on their way: as
+/// long again as the quickest member took for its step, at least the join timeout.
+/// A member that needs more than twice the quickest one's time is a straggler; it is
+/// left out and heals, rather than make every group wait for it every step.
+///
+/// ```
+/// # use std::time::{Duration, Instant};
+/// # use phalanx::quorum::straggler_at;
+/// let issued = Instant::now();
+/// let asked = issued + Duration::from_secs(3); // the quickest group's step took 3 s
+/// assert_eq!(straggler_at(asked, Some(issued), Duration::from_secs(1)), asked + Duration::from_secs(3));
+/// assert_eq!(straggler_at(asked, Some(asked), Duration::from_secs(1)), asked + Duration::from_secs(1));
+/// ```
+pub fn straggler_at(
+    first_join: Instant,
+    previous_at: Option<Instant>,
+    join_timeout: Duration,
+) -> Instant {
+    let quickest = first_join.saturating_duration_since(previous_at.unwrap_or(first_join));
+    first_join + join_timeout.max(quickest)
+}
 
 /// Decides the next quorum. See the module documentation for the rules.
 pub fn decide(round: &Round<'_>) -> Decision {
@@ -419,6 +466,14 @@ pub fn decide(round: &Round<'_>) -> Decision {
         None
     };
 
+    // The late members on their way, and when the first of them would stop counting
+    // as such unless its beats report progress again.
+    let on_their_way = late
+        .iter()
+        .filter_map(|id| live.progressed_at(id))
+        .map(|at| at + config.join_timeout)
+        .filter(|until| now < *until);
+    let on_their_way: Vec<Instant> = on_their_way.collect();
     let missing = match previous {
         Some(_) => Missing::of(late.into_iter()),
         None => Missing::of(live.live_ids().filter(|id| !joiners.contains_key(*id))),
@@ -443,6 +498,14 @@ pub fn decide(round: &Round<'_>) -> Decision {
         return Decision::Wait {
             until: Some(deadline),
             reason,
+        };
+    }
+    let straggler = straggler_at(first_join, previous_at, config.join_timeout);
+    if !on_their_way.is_empty() && now < straggler {
+        let until = on_their_way.iter().copied().min().map(|u| u.min(straggler));
+        return Decision::Wait {
+            until,
+            reason: WaitReason::MembersOnTheirWay { missing },
         };
     }
     if let Some(reason) = blocker {
@@ -634,10 +697,31 @@ mod tests {
         t0: Instant,
         joiners: BTreeMap<ReplicaId, Joiner>,
         live: BTreeSet<ReplicaId>,
+        /// When each group last made progress, as its beats report it.
+        progressed: BTreeMap<ReplicaId, Instant>,
         previous: Option<Quorum>,
         previous_at: Option<Instant>,
         newest: Option<Newest>,
         config: QuorumConfig,
+    }
+
+    /// A scene's groups as the lighthouse's liveness tracking would lend them.
+    struct Seen<'a>(&'a Scene);
+
+    impl LiveSet for Seen<'_> {
+        fn is_live(&self, replica_id: &str) -> bool {
+            self.0.live.is_live(replica_id)
+        }
+        fn live_ids(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+            self.0.live.live_ids()
+        }
+        fn progressed_at(&self, replica_id: &str) -> Option<Instant> {
+            self.0
+                .progressed
+                .get(replica_id)
+                .copied()
+                .filter(|_| self.is_live(replica_id))
+        }
     }
 
     impl Scene {
@@ -646,6 +730,7 @@ mod tests {
                 t0: Instant::now(),
                 joiners: BTreeMap::new(),
                 live: live.iter().map(|s| s.to_string()).collect(),
+                progressed: BTreeMap::new(),
                 previous: None,
                 previous_at: None,
                 newest: None,
@@ -672,10 +757,15 @@ mod tests {
             );
         }
 
+        fn progressed_at(&mut self, id: &str, ms: u64) {
+            self.progressed
+                .insert(id.to_string(), self.t0 + Duration::from_millis(ms));
+        }
+
         fn decide_at(&self, ms: u64) -> Decision {
             decide(&Round {
                 joiners: &self.joiners,
-                live: &self.live,
+                live: &Seen(self),
                 previous: self.previous.as_ref(),
                 previous_at: self.previous_at,
                 highest_seen_id: 0,
@@ -798,6 +888,75 @@ mod tests {
             }
         );
         assert_eq!(ids(&s.issue_at(1100)), ["a", "b"]);
+    }
+
+    /// Three groups in a quorum issued at 0; a and b ask again 3 s later (their step
+    /// took 3 s), c does not yet.
+    fn c_late_after_a_3_s_step() -> Scene {
+        let mut s = Scene::new(&["a", "b", "c"]);
+        for id in ["a", "b", "c"] {
+            s.join_at(id, 0);
+        }
+        s.issue_at(0);
+        s.join_at("a", 3000);
+        s.join_at("b", 3000);
+        s
+    }
+
+    #[test]
+    fn a_late_member_still_computing_holds_the_round_past_the_join_timeout() {
+        let mut s = c_late_after_a_3_s_step();
+        s.progressed_at("c", 3900);
+        assert_eq!(
+            s.decide_at(4100),
+            Decision::Wait {
+                // When c's progress would be a join timeout old: looked at again then.
+                until: Some(s.t0 + Duration::from_millis(4900)),
+                reason: WaitReason::MembersOnTheirWay {
+                    missing: Missing::of(["c"].into_iter())
+                },
+            }
+        );
+        s.progressed_at("c", 4800);
+        assert!(matches!(s.decide_at(4900), Decision::Wait { .. }));
+        s.join_at("c", 5000);
+        assert_eq!(ids(&s.issue_at(5000)), ["a", "b", "c"], "nobody heals");
+    }
+
+    #[test]
+    fn a_late_member_that_stopped_progressing_is_left_out_after_the_join_timeout() {
+        let mut s = c_late_after_a_3_s_step();
+        s.progressed_at("c", 3200);
+        assert_eq!(ids(&s.issue_at(4200)), ["a", "b"]);
+        // One that reports no progress at all is not waited for past it either.
+        let mut s = c_late_after_a_3_s_step();
+        s.progressed.clear();
+        assert_eq!(ids(&s.issue_at(4000)), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_straggler_is_left_out_at_twice_the_quickest_members_step_time() {
+        let mut s = c_late_after_a_3_s_step();
+        s.progressed_at("c", 5500);
+        assert_eq!(
+            s.decide_at(5600),
+            Decision::Wait {
+                until: Some(s.t0 + Duration::from_millis(6000)),
+                reason: WaitReason::MembersOnTheirWay {
+                    missing: Missing::of(["c"].into_iter())
+                },
+            }
+        );
+        s.progressed_at("c", 5999);
+        assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_dead_member_on_its_way_is_not_waited_for() {
+        let mut s = c_late_after_a_3_s_step();
+        s.progressed_at("c", 3900);
+        s.live.remove("c");
+        assert_eq!(ids(&s.issue_at(3000)), ["a", "b"]);
     }
 
     #[test]

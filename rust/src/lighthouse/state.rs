@@ -139,6 +139,10 @@ impl LiveSet for Fresh<'_> {
                 .map(|(id, _)| id.as_str()),
         )
     }
+    fn progressed_at(&self, replica_id: &str) -> Option<Instant> {
+        let replica = self.replicas.get(replica_id)?;
+        Some(replica.pulse.training()?.stalled_since)
+    }
 }
 
 /// The groups as stall detection sees them.
@@ -887,7 +891,9 @@ impl LighthouseState {
             return false;
         }
         let stands = match reason {
-            WaitReason::LateMembers { .. } => self.a_member_is_late(now),
+            WaitReason::LateMembers { .. } | WaitReason::MembersOnTheirWay { .. } => {
+                self.a_member_is_late(now)
+            }
             // The first round waits for every live group, and every group is live
             // while no heartbeat expiry is due (`ticker_deadline`); a join's group is
             // one of them, so some group has not asked while there are fewer joiners.
