@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from phalanx.demo.job import EXIT_DIVERGED, exit_status
+from phalanx.demo.job import EXIT_DIVERGED, EXIT_THIN, exit_status
 from phalanx.demo.report import analyze, chart, plot
 
 from conftest import run_demo, small_tmpfs, write_token_file
@@ -21,6 +21,10 @@ REPORT_FIELDS = {
     "group_steps_committed",
     "step_efficiency",
     "time_efficiency",
+    "group_steps_contributed",
+    "contributing_share",
+    "participants_per_step",
+    "thin_steps",
     "failures_injected",
     "recoveries",
     "recovery_seconds",
@@ -323,6 +327,45 @@ def test_job_steps_count_steps_group_steps_count_each_groups_commit():
     assert report["job_steps"] == 120
     assert report["group_steps_committed"] == 3 * 50 + 2 * 3 + 3 * 67
     assert report["group_steps_attempted"] == report["group_steps_committed"] + 2
+
+
+def leapfrogging_cohorts(groups=30, steps=40, seconds=0.5):
+    """A healthy job of `groups` groups split in two cohorts that take turns: each
+    step, 2 groups' gradients are averaged and the rest heal in it (the records of
+    issue 47 on fb00610)."""
+    records = []
+    for s in range(steps):
+        for k in range(groups):
+            r = record(f"g{k:02}", k, s, s * seconds, participants=2, seconds=seconds)
+            r["healed"] = k >= 2
+            records.append(r)
+    return records, steps * seconds
+
+
+def test_a_healed_group_step_is_recovery_not_work(tmp_path, capsys):
+    steps, stopped = leapfrogging_cohorts()
+    report = analyze(steps, [], replicas=30, started=-1.0, stopped=stopped)
+    assert report["group_steps_committed"] == report["group_steps_attempted"] == 30 * 40
+    assert report["group_steps_contributed"] == 2 * 40
+    assert report["step_efficiency"] == report["contributing_share"] == round(2 / 30, 4)
+    assert report["time_efficiency"] == round(2 / 30, 4)
+    assert report["participants_per_step"] == {"min": 2, "median": 2, "max": 2}
+    assert report["thin_steps"] == list(range(5, 40))
+    assert exit_status(report, 0, tmp_path) == EXIT_THIN
+    assert "on 35 of the job's 35 steps after the first 5" in capsys.readouterr().out
+
+
+def test_every_group_contributing_passes_and_the_start_up_does_not_count(tmp_path, capsys):
+    steps, stopped = leapfrogging_cohorts(groups=4, steps=20)
+    for r in steps:
+        # The groups arrive one by one over the first 4 steps, then all contribute.
+        r["healed"] = False
+        r["participants"] = min(4, r["step"] + 1)
+    report = analyze(steps, [], replicas=4, started=-1.0, stopped=stopped)
+    assert report["participants_per_step"] == {"min": 1, "median": 4, "max": 4}
+    assert report["thin_steps"] == [] and report["step_efficiency"] == 1.0
+    assert exit_status(report, 0, tmp_path) == 0
+    assert capsys.readouterr().out == ""
 
 
 def test_a_group_of_two_ranks_takes_one_group_step_per_step():

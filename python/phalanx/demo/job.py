@@ -46,6 +46,7 @@ from phalanx.demo.report import (
     interval_verdict,
     plot,
     split_verdict,
+    thin_verdict,
     summary_table,
 )
 from phalanx.snapshots import SnapshotSettings
@@ -55,6 +56,7 @@ STARTUP_TIMEOUT = 180.0
 
 #: The exit status of a run whose replicas committed one step with different states.
 EXIT_DIVERGED = 3
+EXIT_THIN = 4
 
 
 class LogFile:
@@ -334,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         "failing, on this machine, and report what the job achieved.",
         epilog="exit status: 0 trained, replicas agree; 1 no step committed; "
         f"{EXIT_DIVERGED} replicas diverged (a step committed with two or more "
-        "fingerprints in one lineage; report.json lists them in split_steps); 130 interrupted",
+        f"fingerprints in one lineage; report.json lists them in split_steps); {EXIT_THIN} "
+        "most steps averaged fewer than half of the groups that took them (report.json's "
+        "thin_steps); 130 interrupted",
     )
     duration = launcher.parse_duration
     parser.add_argument(
@@ -643,4 +647,8 @@ def exit_status(report: dict[str, Any], launcher_code: int, out: Path) -> int:
         tail = (out / "ranks.log").read_text().splitlines()[-20:]
         print("no step committed; the end of ranks.log says why:", *tail, sep="\n  ")
         return 1
+    thin = thin_verdict(report)
+    if thin:
+        print(thin)
+        return EXIT_THIN
     return 0

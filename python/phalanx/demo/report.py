@@ -14,11 +14,19 @@ first committed step; `training_s`, from there until the launcher stopped the gr
 the stop count.
 
 - `job_steps`: the steps the job committed (0 up to the highest committed step).
-- `group_steps_committed` / `group_steps_attempted` and `step_efficiency`, their
-  ratio (a step counts as attempted once it reached its vote; the step a killed
-  process was in never does).
+- `group_steps_committed` / `group_steps_attempted` (a step counts as attempted once
+  it reached its vote; the step a killed process was in never does), and
+  `group_steps_contributed`: the committed group-steps whose gradients were part of
+  the step's average. A group that healed in a step committed it without
+  contributing: its work that step was recovery, not training.
+- `step_efficiency`: contributed ÷ attempted; `contributing_share`: contributed ÷
+  committed.
 - `time_efficiency`: the share of the lives' wall time (first step start → last step
-  end) spent in steps that committed.
+  end) spent in steps they contributed to.
+- `participants_per_step`: min, median and max over the job's steps of the groups
+  whose gradients each step averaged; `thin_steps`: the steps after the first
+  `STARTUP_STEPS` where fewer than half of the groups that took the step contributed
+  (`thin_verdict` fails the demo when they are most of them).
 - `failures`: each injected failure, when (`at_s`), which group, and what it cost
   (`failures_recovered` of them saw their group commit again before the stop):
   `survivor_stall_s`, the longest gap between two consecutive commits of another
@@ -67,6 +75,8 @@ the stop count.
 (2.0, 3.0, 0.5, 5.5)
 >>> r["step_efficiency"], r["replicas_consistent"], r["job_progress"]
 (0.875, True, 1.0)
+>>> r["participants_per_step"], r["thin_steps"]
+({'min': 2, 'median': 2, 'max': 2}, [])
 """
 
 from __future__ import annotations
@@ -97,6 +107,10 @@ ROUNDING_S = 0.006
 
 #: The width of a failure's label in report.png, as a share of the time axis.
 LABEL_WIDTH = 0.14
+
+#: The job's first steps, where the groups still arrive one by one (importing torch,
+#: building the model): a step there averages whoever is in.
+STARTUP_STEPS = 5
 
 
 def _lives(steps: Iterable[dict]) -> dict[tuple[str, int, int], list[dict]]:
@@ -166,6 +180,67 @@ def rollbacks(steps: Iterable[dict]) -> list[dict]:
 
 def _mean_loss(records: list[dict]) -> float | None:
     return statistics.fmean(r["loss"] for r in records) if records else None
+
+
+def contributes(record: dict) -> bool:
+    """Whether the group-step's gradients were part of its step's committed average:
+    it committed, and did not heal in it (a healing group's step is recovery)."""
+    return bool(record["committed"]) and not record.get("healed", False)
+
+
+def contributions(attempted: list[dict]) -> dict[str, Any]:
+    """`participants_per_step` and `thin_steps` of the group-steps `attempted`.
+
+    >>> steps = [{"replica": g, "step": s, "lineage": 0, "committed": True,
+    ...           "participants": 1 if s >= 6 else 3} for g in "abc" for s in range(8)]
+    >>> contributions(steps)
+    {'participants_per_step': {'min': 1, 'median': 3, 'max': 3}, 'thin_steps': [6, 7]}
+    """
+    taken: dict[tuple[int, int], set[str]] = defaultdict(set)
+    averaged: dict[tuple[int, int], int] = {}
+    for r in attempted:
+        key = (r.get("lineage", 0), r["step"])
+        taken[key].add(r["replica"])
+        if r["committed"]:
+            averaged[key] = max(averaged.get(key, 0), r["participants"])
+    counts = [averaged[key] for key in sorted(averaged)]
+    first = min((step for _, step in averaged), default=0)
+    thin = [
+        step
+        for (lineage, step), n in sorted(averaged.items())
+        if step >= first + STARTUP_STEPS and 2 * n < len(taken[(lineage, step)])
+    ]
+    return {
+        "participants_per_step": {
+            "min": min(counts),
+            "median": statistics.median_low(counts),
+            "max": max(counts),
+        }
+        if counts
+        else None,
+        "thin_steps": thin,
+    }
+
+
+def thin_verdict(report: dict[str, Any]) -> str | None:
+    """A failure line when fewer than half of the groups that took a step contributed
+    to it on most of the job's steps after the start-up; None otherwise.
+
+    >>> print(thin_verdict({"job_steps": 30, "thin_steps": list(range(5, 30)),
+    ...     "participants_per_step": {"min": 2, "median": 2, "max": 30}}))
+    most groups' work was thrown away: on 25 of the job's 25 steps after the first 5, fewer than half of the groups that took the step contributed to it (participants per step: min 2, median 2, max 30); the others healed instead
+    """
+    counted = report["job_steps"] - STARTUP_STEPS
+    thin = len(report.get("thin_steps") or [])
+    if counted <= 0 or 2 * thin <= counted:
+        return None
+    p = report["participants_per_step"]
+    return (
+        f"most groups' work was thrown away: on {thin} of the job's {counted} steps after "
+        f"the first {STARTUP_STEPS}, fewer than half of the groups that took the step "
+        f"contributed to it (participants per step: min {p['min']}, median {p['median']}, "
+        f"max {p['max']}); the others healed instead"
+    )
 
 
 def group_steps(steps: Iterable[dict]) -> list[dict]:
@@ -472,9 +547,10 @@ def analyze(
     steps = [r for r in steps if r["t_start"] < stopped]
     attempted = group_steps(steps)
     committed = [r for r in attempted if r["committed"]]
+    contributed = [r for r in committed if contributes(r)]
     lives = _lives(steps)
     live_time = sum(rs[-1]["t_end"] - rs[0]["t_start"] for rs in lives.values())
-    useful_time = sum(r["t_end"] - r["t_start"] for r in steps if r["committed"])
+    useful_time = sum(r["t_end"] - r["t_start"] for r in steps if contributes(r))
     zero = first_commit(steps)
     zero = started if zero is None else zero
 
@@ -512,7 +588,10 @@ def analyze(
         "job_steps": reached,
         "group_steps_committed": len(committed),
         "group_steps_attempted": len(attempted),
-        "step_efficiency": _round(len(committed) / len(attempted)) if attempted else None,
+        "group_steps_contributed": len(contributed),
+        "step_efficiency": _round(len(contributed) / len(attempted)) if attempted else None,
+        "contributing_share": _round(len(contributed) / len(committed)) if committed else None,
+        **contributions(attempted),
         "time_efficiency": _round(useful_time / live_time) if live_time > 0 else None,
         "job_progress": _round(job_progress),
         **_healthy_report(healthy, zero),
@@ -615,10 +694,11 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("job steps committed", str(r["job_steps"])),
         (
-            "group-steps committed / attempted",
-            f"{r['group_steps_committed']} / {r['group_steps_attempted']}"
-            f" (step efficiency {r['step_efficiency']})",
+            "group-steps contributed / committed / attempted",
+            f"{r['group_steps_contributed']} / {r['group_steps_committed']} / "
+            f"{r['group_steps_attempted']} (step efficiency {r['step_efficiency']})",
         ),
+        ("groups averaged per step: min / median / max", _participants(r)),
         ("time efficiency", str(r["time_efficiency"])),
         ("job progress vs healthy pace", str(r["job_progress"])),
         (
@@ -664,6 +744,16 @@ def summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             "each within its lineage)",
         ),
     ]
+
+
+def _participants(r: dict[str, Any]) -> str:
+    p = r["participants_per_step"]
+    if p is None:
+        return "-"
+    thin = len(r["thin_steps"])
+    return f"{p['min']} / {p['median']} / {p['max']}" + (
+        f" ({thin} step(s) where fewer than half of the groups contributed)" if thin else ""
+    )
 
 
 def _steps(span: list[int]) -> str:
