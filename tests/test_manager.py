@@ -294,3 +294,55 @@ def test_a_stopping_server_answers_its_waiting_ranks_at_once(lighthouse):
         with pytest.raises(ConnectionError, match="shutting down"):
             pending.result()
     assert time.monotonic() - started < 10.0, "answered at once, not at the 30 s deadline"
+
+
+def test_groups_that_end_their_run_ahead_of_one_left_behind_never_let_it_redo_their_step():
+    """a and b commit step 1 without c (late: its quorum went on without it after the
+    join timeout) and end their runs. The lighthouse heard of their step 1 only from
+    their leaving beats; c, behind at step 1, must not commit step 1 again as the same
+    lineage (two states under one step number): its quorum starts a new lineage,
+    announced as going back from the leavers' state."""
+    kw = {"heartbeat_interval": HEARTBEAT_INTERVAL}
+    with (
+        phalanx.LighthouseServer(
+            join_timeout=0.3, heartbeat_timeout=HEARTBEAT_TIMEOUT
+        ) as lighthouse,
+        phalanx.ManagerServer("c", lighthouse.address, **kw) as c,
+    ):
+        a = phalanx.ManagerServer("a", lighthouse.address, **kw)
+        b = phalanx.ManagerServer("b", lighthouse.address, **kw)
+        watcher = phalanx.LighthouseClient(lighthouse.address)
+        wait_until(lambda: len(watcher.status().replicas) == 3, 10.0, "a, b and c beat")
+        ranks = {g: phalanx.ManagerClient(s.address, server=s) for g, s in zip("abc", (a, b, c))}
+
+        def step(groups: str, step: int, state_quorum_id: int) -> int:
+            """`groups` take `step` together and commit it; its quorum id."""
+            quorums = together(
+                *(
+                    lambda g=g: ranks[g].quorum(0, step, 10.0, state_quorum_id=state_quorum_id)
+                    for g in groups
+                )
+            )
+            assert {len(q.participants) for q in quorums} == {len(groups)}, quorums
+            quorum_id = quorums[0].quorum_id
+            votes = together(
+                *(
+                    lambda g=g: ranks[g].should_commit(0, step, True, 10.0, quorum_id).commit
+                    for g in groups
+                )
+            )
+            assert all(votes)
+            return quorum_id
+
+        first = step("abc", 0, 0)
+        ahead = step("ab", 1, first)  # c is late: the quorum goes on without it
+        a.shutdown()
+        b.shutdown()
+        wait_until(lambda: len(watcher.status().replicas) == 1, 10.0, "a and b left")
+
+        behind = ranks["c"].quorum(0, 1, 10.0, state_quorum_id=first)
+
+        gave_up = behind.rolled_back_from
+        assert gave_up is not None, "c would commit step 1 again, as the leavers' lineage"
+        assert (gave_up.lineage, gave_up.step, gave_up.state_quorum_id) == (0, 2, ahead)
+        assert behind.lineage == behind.quorum_id > ahead

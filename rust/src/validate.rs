@@ -86,7 +86,9 @@ pub fn beat(beat: &proto::Beat) -> Result<(), Status> {
     if !beat.manager_address.is_empty() {
         address("manager address", &beat.manager_address)?;
     }
-    quorum_id("last_quorum_id", beat.last_quorum_id)
+    quorum_id("last_quorum_id", beat.last_quorum_id)?;
+    quorum_id("state_quorum_id", beat.state_quorum_id)?;
+    quorum_id("lineage", beat.lineage)
 }
 
 /// A quorum request on `replica_id`'s heartbeat stream: its requester and wait.

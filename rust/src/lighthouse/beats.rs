@@ -17,6 +17,7 @@ use super::history::Eviction;
 use super::pulse::Pulse;
 use super::service::{Inbound, Shared};
 use crate::proto;
+use crate::quorum::Identity;
 use crate::validate;
 
 /// How often an unchanged lease is renewed at most. A group's lease runs from the
@@ -154,7 +155,7 @@ impl BeatTask {
     pub(super) async fn run(mut self) {
         loop {
             match self.inbound.message().await {
-                Ok(Some(beat)) if beat.leaving => return self.closed(Eviction::Left),
+                Ok(Some(beat)) if beat.leaving => return self.left(&beat),
                 Ok(Some(beat)) => {
                     if !self.beat(beat) {
                         return;
@@ -191,6 +192,21 @@ impl BeatTask {
                 );
         }
         true
+    }
+
+    /// The group said it is leaving, holding the state its beat names: the job's
+    /// newest, maybe, which the groups left behind must not go on without knowing of.
+    fn left(&self, beat: &proto::Beat) {
+        if validate::beat(beat).is_ok() && beat.state_quorum_id != 0 {
+            let held = Identity {
+                lineage: beat.lineage,
+                step: beat.step,
+                state_quorum_id: beat.state_quorum_id,
+            };
+            let mut st = self.sink.shared.lock();
+            st.leaves_holding(&self.sink.replica_id, self.stream_id, held, Instant::now());
+        }
+        self.closed(Eviction::Left)
     }
 
     /// The group's side closed or broke (it is dead), or it said it is leaving.

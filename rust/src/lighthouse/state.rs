@@ -484,6 +484,27 @@ impl LighthouseState {
         Some(cause)
     }
 
+    /// The group of stream `stream_id` ends its run holding `held` (its leaving beat
+    /// says so): the job's newest state is at least that, held by nobody once it is
+    /// gone, so a quorum of groups behind it starts a new lineage, announced, rather
+    /// than commit its step numbers again (invariant I11).
+    pub fn leaves_holding(
+        &mut self,
+        replica_id: &str,
+        stream_id: u64,
+        held: Identity,
+        now: Instant,
+    ) {
+        let ours = self
+            .replicas
+            .get(replica_id)
+            .and_then(|r| r.stream.as_ref())
+            .is_some_and(|s| s.id == stream_id);
+        if ours {
+            self.newest.observe(replica_id, held, now);
+        }
+    }
+
     /// Declares dead every group silent for longer than the heartbeat timeout.
     pub fn expire(&mut self, now: Instant) -> Vec<(ReplicaId, Eviction)> {
         let Some(horizon) = now.checked_sub(self.heartbeat_timeout) else {

@@ -45,7 +45,11 @@ const REOPEN_AFTER_STALL: Duration = Duration::from_secs(5);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Progress {
     pub last_quorum_id: u64,
+    /// With `state_quorum_id` and `lineage`: the state the group holds, as of its last
+    /// quorum request or, once it committed since, its last commit.
     pub step: i64,
+    pub state_quorum_id: u64,
+    pub lineage: u64,
 }
 
 /// What the lighthouse last acknowledged: while `until` is ahead, it will not declare
@@ -454,6 +458,8 @@ impl Heartbeat {
                 manager_address: String::new(),
                 last_quorum_id: p.last_quorum_id,
                 step: p.step,
+                state_quorum_id: p.state_quorum_id,
+                lineage: p.lineage,
                 seq,
                 refused,
                 tally,

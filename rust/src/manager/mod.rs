@@ -187,6 +187,24 @@ impl Shared {
             torn: false,
             snapshot: commit && snapshot,
         };
+        if commit {
+            // The group now holds the state this step commits: its heartbeat says so
+            // from here on, its leaving beat included.
+            let lineage = self
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .filter(|q| q.quorum_id == quorum.id)
+                .map(|q| q.lineage);
+            if let Some(lineage) = lineage {
+                self.progress.send_modify(|p| {
+                    p.step = step + 1;
+                    p.state_quorum_id = quorum.id;
+                    p.lineage = lineage;
+                });
+            }
+        }
         self.lock().decide(step, decision);
     }
 
@@ -197,6 +215,7 @@ impl Shared {
                 .member(&gathering, &self.manager_address, &self.store_address);
         let (member, last_quorum_id) = self.asks.fresh(member, last_quorum_id);
         let mut reported_failures = member.commit_failures;
+        let held = (member.step, member.state_quorum_id, member.lineage);
         let started = Instant::now();
         // The stream the quorum came on, if it came on one.
         let mut stream = None;
@@ -257,7 +276,7 @@ impl Shared {
         }
         self.progress.send_modify(|p| {
             p.last_quorum_id = p.last_quorum_id.max(quorum.quorum_id);
-            p.step = gathering.step;
+            (p.step, p.state_quorum_id, p.lineage) = held;
         });
         let replica_id = &self.options.replica_id;
         // Counted by the stream's end, or else told now: the stream ended since.
