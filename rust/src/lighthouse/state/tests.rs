@@ -1191,3 +1191,45 @@ fn the_same_manager_reopening_its_stream_replaces_the_silent_one() {
     let refused = s.open_stream(&impostor, "10.0.0.9:1".into(), tx, later);
     assert_eq!(refused.unwrap_err().code(), tonic::Code::AlreadyExists);
 }
+
+#[test]
+fn a_late_member_whose_beats_report_progress_holds_the_round_until_it_stops() {
+    let t = Instant::now();
+    let ms = |n: u64| t + Duration::from_millis(n);
+    let mut s = state();
+    let ((_, a), _a_events) = open(&mut s, "a", t);
+    let ((_, b), _b_events) = open(&mut s, "b", t);
+    let ((_, c), _c_events) = open(&mut s, "c", t);
+    form_quorum(&mut s, &["a", "b", "c"], t);
+    // a's and b's step took 3 s; c computes on until 4.5 s, then hangs.
+    let mut replies = Vec::new();
+    for id in ["a", "b"] {
+        let (tx, reply) = oneshot::channel();
+        s.join(member(id), 1, ms(3000), tx).unwrap();
+        replies.push(reply);
+    }
+    for n in (3000..=5600).step_by(100) {
+        trained(&a, ms(n), 0, n - 3000);
+        trained(&b, ms(n), 0, n - 3000);
+        trained(&c, ms(n), n.saturating_sub(4500), 0);
+        let now = ms(n);
+        let issued = s.evaluate(now, 0);
+        if n < 5500 {
+            assert!(issued.is_none(), "at {n} ms, c is on its way");
+            if n >= 4000 {
+                let why = s.waiting_reason(now);
+                assert!(
+                    matches!(why, WaitReason::MembersOnTheirWay { .. }),
+                    "at {n} ms: {why}"
+                );
+            }
+        } else {
+            // A join timeout after c's last progress, the round goes on without it.
+            assert!(issued.expect("a quorum without c").changed);
+            let quorum = s.current_quorum().unwrap();
+            assert_eq!(quorum.replica_ids().collect::<Vec<_>>(), ["a", "b"]);
+            return;
+        }
+    }
+    unreachable!();
+}
