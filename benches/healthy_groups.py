@@ -8,8 +8,8 @@ A group that is left out of a step's quorum (it arrived after the join timeout) 
 behind at the next one and heals in it: its step is recovery, not training. Paid-for
 groups that heal in turn instead of contributing are the waste this measures: per job
 step after the start-up (`STARTUP_STEPS`), the groups whose gradients were averaged,
-the share of steps that averaged every group, the share of committed group-steps that
-contributed, the job's steps per minute, and whether any step number was committed
+the share of steps that averaged every group (the last step, where the groups leave
+one by one, apart), the share of committed group-steps that contributed, the job's steps per minute, and whether any step number was committed
 with two states. With `--against`, the same job runs from that checkout's `python/`
 folder (its extension built in place) first, and the table shows both side by side.
 """
@@ -56,8 +56,11 @@ def run_demo(replicas: int, duration: float, python_path: str | None) -> dict:
         if r["t_start"] < stopped:
             key = (r.get("lineage", 0), r["step"])
             averaged[key] = max(averaged.get(key, 0), r["participants"])
-    first = min(step for _, step in averaged)
-    counts = [n for (_, step), n in sorted(averaged.items()) if step >= first + STARTUP_STEPS]
+    # The last step is the end's: groups leave one by one once the stop reaches them.
+    first, last = min(step for _, step in averaged), max(step for _, step in averaged)
+    counts = [
+        n for (_, step), n in sorted(averaged.items()) if first + STARTUP_STEPS <= step < last
+    ]
     in_time = [r for r in committed if r["t_start"] < stopped]
     return {
         "exit_status": done.returncode,

@@ -16,8 +16,8 @@
 //!   to `join_timeout` after the first request of the round;
 //! - past it, a late member still *on its way* holds the round: its beats say it
 //!   made progress within the join timeout (it is computing or healing, not hung),
-//!   and the round is younger than twice the time the quickest member took for the
-//!   step (see [`straggler_at`]). Waiting for it costs less than healing it: a member
+//!   and the round is younger than twice the time the quickest member that asked
+//!   again took for the step (see [`straggler_at`]). Waiting for it costs less than healing it: a member
 //!   left out is behind at the next round, heals there, and misses the round after
 //!   while it heals, so a job of many groups would split into cohorts that leapfrog,
 //!   each averaging few groups' gradients. A hung member stops progressing and a
@@ -373,27 +373,37 @@ impl fmt::Display for WaitReason {
 /// it that has not asked again still counts toward the majority.
 pub const LATE_MEMBER_JOIN_TIMEOUTS: u32 = 10;
 
-/// Until when a round whose first request came at `first_join` waits for late
-/// members of the previous quorum (issued at `previous_at`) that are on their way: as
-/// long again as the quickest member took for its step, at least the join timeout.
-/// A member that needs more than twice the quickest one's time is a straggler; it is
-/// left out and heals, rather than make every group wait for it every step.
+/// Until when a round waits for late members of the previous quorum (issued at
+/// `issued`) that are on their way, given when the first of its members asked again
+/// (`first_rejoin`): as long again as that quickest member took for its step, at
+/// least the join timeout. A member that needs more than twice the quickest one's
+/// time is a straggler; it is left out and heals, rather than make every group wait
+/// for it at every step. Groups that were not members (they wait since the last
+/// round: they asked too late for it) say nothing of the step's time, and set no
+/// bound. While no member asked again, the bound is the one on late members
+/// (`LATE_MEMBER_JOIN_TIMEOUTS`).
 ///
 /// ```
 /// # use std::time::{Duration, Instant};
 /// # use phalanx::quorum::straggler_at;
 /// let issued = Instant::now();
-/// let asked = issued + Duration::from_secs(3); // the quickest group's step took 3 s
-/// assert_eq!(straggler_at(asked, Some(issued), Duration::from_secs(1)), asked + Duration::from_secs(3));
-/// assert_eq!(straggler_at(asked, Some(asked), Duration::from_secs(1)), asked + Duration::from_secs(1));
+/// let second = Duration::from_secs(1);
+/// // The quickest member's step took 3 s: the others are waited for 3 s more.
+/// let asked = issued + 3 * second;
+/// assert_eq!(straggler_at(Some(asked), issued, second), asked + 3 * second);
+/// // A quick step: the join timeout.
+/// assert_eq!(straggler_at(Some(issued), issued, second), issued + second);
+/// assert_eq!(straggler_at(None, issued, second), issued + 10 * second);
 /// ```
 pub fn straggler_at(
-    first_join: Instant,
-    previous_at: Option<Instant>,
+    first_rejoin: Option<Instant>,
+    issued: Instant,
     join_timeout: Duration,
 ) -> Instant {
-    let quickest = first_join.saturating_duration_since(previous_at.unwrap_or(first_join));
-    first_join + join_timeout.max(quickest)
+    match first_rejoin {
+        Some(first) => first + join_timeout.max(first.saturating_duration_since(issued)),
+        None => issued + LATE_MEMBER_JOIN_TIMEOUTS * join_timeout,
+    }
 }
 
 /// Decides the next quorum. See the module documentation for the rules.
@@ -432,14 +442,20 @@ pub fn decide(round: &Round<'_>) -> Decision {
 
     // Live members of the previous quorum that have not asked yet. Both lists are in
     // replica-id order, so one merged walk finds them (this runs on every request).
+    // And when the first member that did asked.
     let mut late: Vec<&str> = Vec::new();
+    let mut first_rejoin: Option<Instant> = None;
     if let Some(prev) = previous {
-        let mut asking = joiners.keys().peekable();
+        let mut asking = joiners.iter().peekable();
         for id in prev.replica_ids() {
-            while asking.next_if(|j| j.as_str() < id).is_some() {}
-            let asked = asking.peek().is_some_and(|j| j.as_str() == id);
-            if !asked && live.is_live(id) {
-                late.push(id);
+            while asking.next_if(|(j, _)| j.as_str() < id).is_some() {}
+            match asking.peek() {
+                Some((j, joiner)) if j.as_str() == id => {
+                    let at = joiner.joined_at;
+                    first_rejoin = Some(first_rejoin.map_or(at, |f| f.min(at)));
+                }
+                _ if live.is_live(id) => late.push(id),
+                _ => {}
             }
         }
     }
@@ -500,7 +516,8 @@ pub fn decide(round: &Round<'_>) -> Decision {
             reason,
         };
     }
-    let straggler = straggler_at(first_join, previous_at, config.join_timeout);
+    let issued = previous_at.unwrap_or(first_join);
+    let straggler = straggler_at(first_rejoin, issued, config.join_timeout);
     if !on_their_way.is_empty() && now < straggler {
         let until = on_their_way.iter().copied().min().map(|u| u.min(straggler));
         return Decision::Wait {
@@ -949,6 +966,39 @@ mod tests {
         );
         s.progressed_at("c", 5999);
         assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
+    }
+
+    #[test]
+    fn groups_waiting_since_the_last_round_do_not_close_it_on_the_members_on_their_way() {
+        // Two cohorts leapfrogging (issue 47): w1 and w2 asked too late for the last
+        // quorum and wait since its issue at 0; of its members, a and b contributed and
+        // rejoin after their 1 s step, h1 and h2 healed in it and come later.
+        let mut s = Scene::new(&["a", "b", "h1", "h2"]);
+        for id in ["a", "b", "h1", "h2"] {
+            s.join_at(id, 0);
+        }
+        s.issue_at(0);
+        s.join_at("w1", 0);
+        s.join_at("w2", 0);
+        s.join_at("a", 1000);
+        s.join_at("b", 1000);
+        s.progressed_at("h1", 1000);
+        s.progressed_at("h2", 1000);
+        // The round's first request is a second old, but its members' step set the bound.
+        assert!(matches!(
+            s.decide_at(1000),
+            Decision::Wait {
+                reason: WaitReason::MembersOnTheirWay { .. },
+                ..
+            }
+        ));
+        s.join_at("h1", 1500);
+        s.join_at("h2", 1600);
+        assert_eq!(
+            ids(&s.issue_at(1600)),
+            ["a", "b", "h1", "h2", "w1", "w2"],
+            "one cohort again: only the waiters heal"
+        );
     }
 
     #[test]
