@@ -1,7 +1,7 @@
 """Whether every group of a healthy job trains: `phalanx demo` with many groups and no
 failure, and how many groups each step averaged.
 
-    python benches/healthy_groups.py --replicas 30 --duration 30
+    python benches/healthy_groups.py --replicas 30 --duration 30 --dim 256
     python benches/healthy_groups.py --against /path/to/an/older/checkout
 
 A group that is left out of a step's quorum (it arrived after the join timeout) is
@@ -31,7 +31,7 @@ from harness import report
 STARTUP_STEPS = 5
 
 
-def run_demo(replicas: int, duration: float, python_path: str | None) -> dict:
+def run_demo(replicas: int, duration: float, dim: int, python_path: str | None) -> dict:
     """One healthy demo job; what it measured."""
     env = dict(os.environ)
     if python_path:
@@ -40,7 +40,9 @@ def run_demo(replicas: int, duration: float, python_path: str | None) -> dict:
         out = Path(tmp) / "demo"
         done = subprocess.run(
             [sys.executable, "-m", "phalanx", "demo", "--out", str(out)]
-            + ["--replicas", str(replicas), "--kill-every", "0", "--duration", str(duration)],
+            + ["--replicas", str(replicas), "--kill-every", "0", "--duration", str(duration)]
+            # The model's width goes to the training script (older demos take no --dim).
+            + ["--", "--dim", str(dim)],
             capture_output=True,
             text=True,
             env=env,
@@ -83,21 +85,29 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=30)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument(
+        "--dim",
+        type=int,
+        default=256,
+        help="the model's width: 256 makes a heal outlast the join timeout's slack on 2 cores",
+    )
+    parser.add_argument(
         "--against", type=Path, help="another checkout (its python/ folder built) to compare"
     )
     args = parser.parse_args()
 
     runs = {}
     if args.against:
-        runs["against"] = run_demo(args.replicas, args.duration, str(args.against / "python"))
-    runs["this"] = run_demo(args.replicas, args.duration, None)
-    result = {"bench": "healthy_groups", "replicas": args.replicas, **runs}
+        against = str(args.against / "python")
+        runs["against"] = run_demo(args.replicas, args.duration, args.dim, against)
+    runs["this"] = run_demo(args.replicas, args.duration, args.dim, None)
+    result = {"bench": "healthy_groups", "replicas": args.replicas, "dim": args.dim, **runs}
     rows = [
         (f"{name}: {key.replace('_', ' ')}", value)
         for name, measured in runs.items()
         for key, value in measured.items()
     ]
-    report(f"a healthy job of {args.replicas} groups, {args.duration:.0f} s", rows, result)
+    title = f"a healthy job of {args.replicas} groups (model dim {args.dim}), {args.duration:.0f} s"
+    report(title, rows, result)
 
 
 if __name__ == "__main__":
