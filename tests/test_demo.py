@@ -101,39 +101,6 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
     assert {"start", "kill", "stop"} <= {e["kind"] for e in events}
 
 
-#: Groups of the healthy job below: as many as 2 cores train without a step taking
-#: longer than the lighthouse's join timeout (30 in benches/healthy_groups.py).
-HEALTHY_GROUPS = 10
-
-
-@pytest.mark.slow
-def test_every_group_of_a_healthy_job_contributes_to_its_steps(tmp_path):
-    """No failure: after the start-up, every step averages the gradients of every
-    group, so none of them is paid for to heal (issue 47: 2 of 30 did on fb00610, the
-    rest healing in turn)."""
-    out = tmp_path / "demo"
-    done = run_demo(
-        out,
-        *("--replicas", str(HEALTHY_GROUPS), "--kill-every", "0", "--duration", "20"),
-        timeout=150,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((out / "report.json").read_text())
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    # The steps begun before the stop (the groups leave one by one after it).
-    stopped = min(r["t_end"] for r in steps if r["committed"]) + report["training_s"]
-    averaged: dict[int, int] = {}
-    for r in steps:
-        if r["committed"] and r["t_start"] < stopped - 0.01:
-            averaged[r["step"]] = max(averaged.get(r["step"], 0), r["participants"])
-    after_start = [n for step, n in sorted(averaged.items()) if step >= 5]
-    assert len(after_start) >= 10, report
-    everyone = sum(n == HEALTHY_GROUPS for n in after_start) / len(after_start)
-    assert everyone >= 0.95, (averaged, done.stdout)
-    assert report["thin_steps"] == [] and report["contributing_share"] >= 0.95, report
-    assert report["replicas_consistent"] is True, report["splits"]
-
-
 @pytest.mark.slow
 def test_the_demo_trains_through_kills_of_its_serving_lighthouse(tmp_path):
     out = tmp_path / "demo"
