@@ -31,6 +31,9 @@ pub use error::{Error, ErrorKind};
 mod python;
 
 /// Many small, short-lived allocations per request (strings, frames); mimalloc serves
-/// them with less contention than the system allocator.
+/// them with less contention than the system allocator. Its v2 line (Cargo.toml): the
+/// v3 line of libmimalloc-sys 0.1.49 (mimalloc 3.3.2) read freed per-thread state when
+/// the thread that first called into the extension had ended, a segfault in the next
+/// thread to call (tests/test_threads.py).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
