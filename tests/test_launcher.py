@@ -386,18 +386,43 @@ def test_without_the_fork_server_ranks_are_new_processes():
     assert len(reports(done.stdout)) == 1
 
 
-def test_python_on_the_path_is_recognised_as_the_launchers_interpreter(tmp_path, monkeypatch):
-    # As in a venv: `python` and `python3` are links to the interpreter, which PATH finds.
-    monkeypatch.setenv(
-        "PATH", path_with(tmp_path / "bin", python=sys.executable, python3=sys.executable)
-    )
+def test_python_on_the_path_is_recognised_as_the_launchers_interpreter(monkeypatch):
+    # As in an activated venv: its bin folder first on PATH, where `python` is found.
+    bin_folder, python = os.path.split(sys.executable)
+    monkeypatch.setenv("PATH", f"{bin_folder}{os.pathsep}{os.environ['PATH']}")
 
-    for command in (["python", "-m", "train", "--lr", "0.1"], ["python3", "train.py"]):
+    for command in ([python, "-m", "train", "--lr", "0.1"], [python, "train.py"]):
         resolved = resolve(command)
-        assert resolved == [str(tmp_path / "bin" / command[0]), *command[1:]]
+        assert resolved == [sys.executable, *command[1:]]
         forked, why = rank_mode(resolved, fork_server=True)
         assert forked, why
         assert why.startswith("fork server")
+
+
+def test_a_link_to_the_interpreter_outside_its_environment_gets_plain_processes(tmp_path):
+    # Python finds its environment from the path it was started by: this link starts
+    # the interpreter outside the launcher's venv, so a fork would not be what it runs.
+    link = tmp_path / "python"
+    link.symlink_to(sys.executable)
+    forked, why = rank_mode([str(link), "train.py"], fork_server=True)
+    if sys.prefix == sys.base_prefix:
+        assert forked, why  # no venv: the link starts in the same installation
+    else:
+        assert not forked and "starts in the environment" in why, why
+
+
+def test_another_environments_python_runs_its_ranks_in_that_environment(tmp_path):
+    other = tmp_path / "other"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(other)], check=True)
+    script = tmp_path / "where.py"
+    script.write_text("import sys\nprint('prefix', sys.prefix, flush=True)\n")
+
+    done = launch("--replicas", "2", "--", str(other / "bin" / "python"), str(script))
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(f"prefix {other}") == 2, done.stdout
+    said = [line for line in done.stdout.splitlines() if "starts in the environment" in line]
+    assert len(said) == 1 and str(other) in said[0], done.stdout
 
 
 def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatch):
@@ -409,9 +434,9 @@ def test_another_program_called_python_gets_plain_processes(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_python_dash_m_on_the_path_is_forked(tmp_path):
+def test_python_dash_m_on_the_path_is_forked():
     env = child_env()
-    env["PATH"] = path_with(tmp_path / "bin", python=sys.executable)
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"
     env["PYTHONPATH"] = str(PROCS)  # where `-m launched_rank` is found
 
     done = launch("--", "python", "-m", "launched_rank", "0", "0", env=env)

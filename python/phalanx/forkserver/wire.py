@@ -23,15 +23,41 @@ MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
 
 
+def environment(executable: str) -> str:
+    """The environment (`sys.prefix`) that the interpreter at `executable`, run by that
+    path, starts in, as Python finds it: a virtual environment's folder when its
+    `pyvenv.cfg` is beside the path or one folder up, else the folder the interpreter
+    the path resolves to is installed under. Two venvs' `python` resolve to the same
+    interpreter, and start in different environments.
+
+    >>> os.path.realpath(environment(sys.executable)) == os.path.realpath(sys.prefix)
+    True
+    """
+    here = os.path.dirname(os.path.abspath(executable))
+    for folder in (here, os.path.dirname(here)):
+        if os.path.isfile(os.path.join(folder, "pyvenv.cfg")):
+            return folder
+    return os.path.dirname(os.path.dirname(os.path.realpath(executable)))
+
+
+def ours(executable: str) -> bool:
+    """Whether `executable` is this interpreter started in this environment: what a
+    rank forked from this process runs as."""
+    return os.path.realpath(executable) == os.path.realpath(sys.executable) and (
+        os.path.realpath(environment(executable)) == os.path.realpath(sys.prefix)
+    )
+
+
 def runnable(argv: list[str]) -> bool:
-    """Whether a forked rank can run `argv`: this interpreter, then a module or a script.
+    """Whether a forked rank can run `argv`: this interpreter in this environment, then
+    a module or a script.
 
     >>> runnable([sys.executable, "-m", "phalanx.demo.train", "--lr", "0.1"])
     True
     >>> runnable([sys.executable, "-c", "print(1)"]), runnable(["./train.sh"])
     (False, False)
     """
-    if len(argv) < 2 or os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+    if len(argv) < 2 or not ours(argv[0]):
         return False
     if argv[1] == "-m":
         return len(argv) >= 3

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from phalanx._torchft_alias.torchft import ALIAS_DIR, real_torchft, refusal
 from phalanx.forkserver import runnable
+from phalanx.forkserver.wire import environment
 
 
 def resolve(command: list[str]) -> list[str]:
@@ -39,6 +40,13 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
         return False, "plain processes (--no-fork-server)"
     if runnable(command):
         return True, f"fork server ({command[0]} is this launcher's interpreter)"
+    if os.path.realpath(command[0]) == os.path.realpath(sys.executable):
+        return False, (
+            f"plain processes ({command[0]} starts in the environment "
+            f"{environment(command[0])}, not in "
+            f"this launcher's, {sys.prefix}: a fork of the launcher would run the job with "
+            "the launcher's packages)"
+        )
     return False, (
         f"plain processes ({' '.join(command[:2])} is not `python -m MODULE` or "
         f"`python SCRIPT.py` run by this launcher's interpreter, {sys.executable})"
