@@ -9,9 +9,10 @@ behind at the next one and heals in it: its step is recovery, not training. Paid
 groups that heal in turn instead of contributing are the waste this measures: per job
 step after the start-up (`STARTUP_STEPS`), the groups whose gradients were averaged,
 the share of steps that averaged every group (the last step, where the groups leave
-one by one, apart), the share of committed group-steps that contributed, the job's steps per minute, and whether any step number was committed
-with two states. With `--against`, the same job runs from that checkout's `python/`
-folder (its extension built in place) first, and the table shows both side by side.
+one by one, apart), the share of committed group-steps that contributed, the job's
+steps per minute, and whether any step number was committed with two states. With
+`--against`, the same job runs from that checkout's `python/` folder (its extension
+built in place) first, and the table shows both side by side.
 """
 
 from __future__ import annotations
@@ -72,9 +73,7 @@ def run_demo(replicas: int, duration: float, dim: int, python_path: str | None) 
         "participants_median": statistics.median_low(counts),
         "participants_max": max(counts),
         "steps_with_every_group": round(sum(n == replicas for n in counts) / len(counts), 4),
-        "contributing_share": round(
-            sum(not r.get("healed") for r in in_time) / len(in_time), 4
-        ),
+        "contributing_share": round(sum(not r.get("healed") for r in in_time) / len(in_time), 4),
         "split_steps": summary.get("split_steps", []),
         "rollbacks": len(summary.get("rollbacks", [])),
     }

@@ -313,7 +313,10 @@ def test_groups_that_end_their_run_ahead_of_one_left_behind_never_let_it_redo_th
         b = phalanx.ManagerServer("b", lighthouse.address, **kw)
         watcher = phalanx.LighthouseClient(lighthouse.address)
         wait_until(lambda: len(watcher.status().replicas) == 3, 10.0, "a, b and c beat")
-        ranks = {g: phalanx.ManagerClient(s.address, server=s) for g, s in zip("abc", (a, b, c))}
+        ranks = {
+            g: phalanx.ManagerClient(s.address, server=s)
+            for g, s in zip("abc", (a, b, c), strict=True)
+        }
 
         def step(groups: str, step: int, state_quorum_id: int) -> int:
             """`groups` take `step` together and commit it; its quorum id."""

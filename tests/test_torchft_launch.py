@@ -242,6 +242,27 @@ def test_a_torchft_module_imported_again_is_still_phalanxs_own():
     assert "use phalanx's own lighthouse and manager bindings" in torchft_only
 
 
+def test_torchfts_checkpointing_modules_import_as_its_examples_write_them():
+    # torchft's train_ddp.py and train_diloco.py import the transports from the
+    # package's modules, not from the package.
+    done = python_with(
+        torchft_path(),
+        "from torchft.checkpointing.pg_transport import PGTransport\n"
+        "from torchft.checkpointing.http_transport import HTTPTransport\n"
+        "from torchft.checkpointing.transport import CheckpointTransport\n"
+        "import torchft.checkpointing.pg_transport as module\n"
+        "import torchft, phalanx.torchft.checkpointing as ours\n"
+        "assert PGTransport is ours.PGTransport is torchft.checkpointing.PGTransport\n"
+        "assert HTTPTransport is ours.HTTPTransport\n"
+        "assert issubclass(PGTransport, CheckpointTransport)\n"
+        "assert module.__spec__.name == 'phalanx.torchft.checkpointing.pg_transport'\n"
+        "print('ok')\n",
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):
     done = python_with(f"{torchft_path()}:{fake_torchft}", "import torchft")
 

@@ -46,8 +46,8 @@ from phalanx.demo.report import (
     interval_verdict,
     plot,
     split_verdict,
-    thin_verdict,
     summary_table,
+    thin_verdict,
 )
 from phalanx.snapshots import SnapshotSettings
 

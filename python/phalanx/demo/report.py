@@ -228,7 +228,7 @@ def thin_verdict(report: dict[str, Any]) -> str | None:
 
     >>> print(thin_verdict({"job_steps": 30, "thin_steps": list(range(5, 30)),
     ...     "participants_per_step": {"min": 2, "median": 2, "max": 30}}))
-    most groups' work was thrown away: on 25 of the job's 25 steps after the first 5, fewer than half of the groups that took the step contributed to it (participants per step: min 2, median 2, max 30); the others healed instead
+    most groups' work was thrown away: on 25 of the job's 25 steps after the first 5, ...
     """
     counted = report["job_steps"] - STARTUP_STEPS
     thin = len(report.get("thin_steps") or [])
