@@ -15,7 +15,8 @@
 //! - otherwise (the job's first quorum, or a live previous member is late) wait up
 //!   to `join_timeout` after the first request of the round;
 //! - past it, a late member still *on its way* holds the round: its beats say it
-//!   made progress within the join timeout (it is computing or healing, not hung),
+//!   made progress within the join timeout, at least [`PROGRESS_FRESH`] (it is
+//!   computing or healing, not hung),
 //!   and the round is younger than twice the time the quickest member that asked
 //!   again took for the step (see [`straggler_at`]). Waiting for it costs less than healing it: a member
 //!   left out is behind at the next round, heals there, and misses the round after
@@ -373,6 +374,13 @@ impl fmt::Display for WaitReason {
 /// it that has not asked again still counts toward the majority.
 pub const LATE_MEMBER_JOIN_TIMEOUTS: u32 = 10;
 
+/// How old a group's last progress may be for it to count as at work, whatever the
+/// join timeout: the lighthouse hears of progress on the group's beats (every 100 ms
+/// by default), and its ranks' reporters look at their training threads a few times
+/// a second, so a group computing its step reports progress some hundreds of
+/// milliseconds old.
+pub const PROGRESS_FRESH: Duration = Duration::from_secs(1);
+
 /// Until when a round waits for late members of the previous quorum (issued at
 /// `issued`) that are on their way, given when the first of its members asked again
 /// (`first_rejoin`): as long again as that quickest member took for its step, at
@@ -487,7 +495,7 @@ pub fn decide(round: &Round<'_>) -> Decision {
     let on_their_way = late
         .iter()
         .filter_map(|id| live.progressed_at(id))
-        .map(|at| at + config.join_timeout)
+        .map(|at| at + config.join_timeout.max(PROGRESS_FRESH))
         .filter(|until| now < *until);
     let on_their_way: Vec<Instant> = on_their_way.collect();
     let missing = match previous {
@@ -998,6 +1006,27 @@ mod tests {
             ids(&s.issue_at(1600)),
             ["a", "b", "h1", "h2", "w1", "w2"],
             "one cohort again: only the waiters heal"
+        );
+    }
+
+    #[test]
+    fn with_a_short_join_timeout_progress_reported_on_the_beats_still_counts() {
+        // Beats carry progress some hundreds of milliseconds old: a 50 ms join timeout
+        // must not take a group at work for a hung one.
+        let mut s = c_late_after_a_3_s_step();
+        s.config.join_timeout = Duration::from_millis(50);
+        s.progressed_at("c", 3000);
+        assert!(matches!(
+            s.decide_at(3600),
+            Decision::Wait {
+                reason: WaitReason::MembersOnTheirWay { .. },
+                ..
+            }
+        ));
+        assert_eq!(
+            ids(&s.issue_at(4000)),
+            ["a", "b"],
+            "a second after its progress"
         );
     }
 
