@@ -16,13 +16,13 @@
 //!   to `join_timeout` after the first request of the round;
 //! - past it, a late member still *on its way* holds the round: its beats say it
 //!   made progress within the join timeout, at least [`PROGRESS_FRESH`] (it is
-//!   computing or healing, not hung),
-//!   and the round is younger than twice the time the quickest member that asked
-//!   again took for the step (see [`straggler_at`]). Waiting for it costs less than healing it: a member
-//!   left out is behind at the next round, heals there, and misses the round after
-//!   while it heals, so a job of many groups would split into cohorts that leapfrog,
-//!   each averaging few groups' gradients. A hung member stops progressing and a
-//!   straggler runs past the bound, and both are left out;
+//!   computing or healing, not hung), and the round is younger than twice the time
+//!   the quickest member that asked again took for the step (see [`straggler_at`]).
+//!   Waiting for it costs less than healing it: a member left out is behind at the
+//!   next round, heals there, and misses the round after while it heals, so a job of
+//!   many groups would split into cohorts that leapfrog, each averaging few groups'
+//!   gradients. A hung member stops progressing and a straggler runs past the bound,
+//!   and both are left out;
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
 //!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
@@ -490,14 +490,14 @@ pub fn decide(round: &Round<'_>) -> Decision {
         None
     };
 
-    // The late members on their way, and when the first of them would stop counting
-    // as such unless its beats report progress again.
+    // When the first late member on its way would stop counting as such, unless its
+    // beats report progress again (None: none is on its way).
     let on_their_way = late
         .iter()
         .filter_map(|id| live.progressed_at(id))
         .map(|at| at + config.join_timeout.max(PROGRESS_FRESH))
-        .filter(|until| now < *until);
-    let on_their_way: Vec<Instant> = on_their_way.collect();
+        .filter(|until| now < *until)
+        .min();
     let missing = match previous {
         Some(_) => Missing::of(late.into_iter()),
         None => Missing::of(live.live_ids().filter(|id| !joiners.contains_key(*id))),
@@ -526,10 +526,9 @@ pub fn decide(round: &Round<'_>) -> Decision {
     }
     let issued = previous_at.unwrap_or(first_join);
     let straggler = straggler_at(first_rejoin, issued, config.join_timeout);
-    if !on_their_way.is_empty() && now < straggler {
-        let until = on_their_way.iter().copied().min().map(|u| u.min(straggler));
+    if let Some(until) = on_their_way.filter(|_| now < straggler) {
         return Decision::Wait {
-            until,
+            until: Some(until.min(straggler)),
             reason: WaitReason::MembersOnTheirWay { missing },
         };
     }
