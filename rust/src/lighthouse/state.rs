@@ -472,12 +472,7 @@ impl LighthouseState {
         cause: Eviction,
         now: Instant,
     ) -> Option<Eviction> {
-        let ours = self
-            .replicas
-            .get(replica_id)
-            .and_then(|r| r.stream.as_ref())
-            .is_some_and(|s| s.id == stream_id);
-        if !ours {
+        if !self.streams(replica_id, stream_id) {
             return None;
         }
         self.evict(replica_id, cause, now);
@@ -495,14 +490,17 @@ impl LighthouseState {
         held: Identity,
         now: Instant,
     ) {
-        let ours = self
-            .replicas
-            .get(replica_id)
-            .and_then(|r| r.stream.as_ref())
-            .is_some_and(|s| s.id == stream_id);
-        if ours {
+        if self.streams(replica_id, stream_id) {
             self.newest.observe(replica_id, held, now);
         }
+    }
+
+    /// Whether `stream_id` is the heartbeat stream `replica_id` has open.
+    fn streams(&self, replica_id: &str, stream_id: u64) -> bool {
+        self.replicas
+            .get(replica_id)
+            .and_then(|r| r.stream.as_ref())
+            .is_some_and(|s| s.id == stream_id)
     }
 
     /// Declares dead every group silent for longer than the heartbeat timeout.
