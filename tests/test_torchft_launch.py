@@ -14,7 +14,7 @@ import pytest
 import phalanx
 import phalanx._torchft_alias.torchft as alias
 from phalanx._torchft_alias.torchft import ALIAS_DIR
-from phalanx.torchft import SUBMODULES
+from phalanx.torchft import INSTEAD, SUBMODULES
 
 from conftest import TESTS, child_env, free_port
 
@@ -261,6 +261,39 @@ def test_torchfts_checkpointing_modules_import_as_its_examples_write_them():
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+#: torchft's public modules (torchft-nightly, 2026-10): phalanx's own, or refused by name.
+TORCHFT_MODULES = (
+    "manager", "process_group", "ddp", "optim", "data", "local_sgd", "checkpointing",
+    "checkpointing.transport", "checkpointing.http_transport", "checkpointing.pg_transport",
+    "coordination", "device_mesh", "parameter_server", "collectives", "futures", "otel",
+    "work", "fsdp", "fsdp.fault_tolerance", "quantization", "http", "multiprocessing",
+    "comms", "torchcomms", "torchx", "utils",
+)  # fmt: skip
+
+
+def test_every_torchft_module_is_phalanxs_or_refused_by_name():
+    done = python_with(
+        torchft_path(),
+        "import importlib, json, sys\n"
+        f"for name in {TORCHFT_MODULES!r}:\n"
+        "    try:\n"
+        "        module = importlib.import_module(f'torchft.{name}')\n"
+        "        print(json.dumps([name, module.__name__]))\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        print(json.dumps([name, str(e)]))\n",
+    )
+
+    assert done.returncode == 0, done.stderr
+    seen = dict(json.loads(line) for line in done.stdout.splitlines())
+    assert list(seen) == list(TORCHFT_MODULES)
+    for name, what in seen.items():
+        top = name.split(".")[0]
+        if top in INSTEAD:
+            assert what == f"phalanx.torchft has no {top!r} (torchft.{top}); use {INSTEAD[top]}"
+        else:
+            assert what == f"phalanx.torchft.{name}", (name, what)
 
 
 def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):

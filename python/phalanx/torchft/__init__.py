@@ -51,6 +51,21 @@ INSTEAD = {
     "futures": "Manager.wrap_future(), which takes the manager's timeout",
     "otel": "the lighthouse's /metrics (Prometheus) and each rank's step records",
     "work": "the Work that Manager.allreduce() returns",
+    "fsdp": (
+        "phalanx.fully_shard_hsdp (FSDP2 inside a group, fault tolerance across, healed "
+        "from live peers), or process_group.ManagedProcessGroup with FSDP2's "
+        "set_all_reduce_hook"
+    ),
+    "quantization": "Manager.allreduce(tensor, should_quantize=True) (int8 with block scales)",
+    "http": "phalanx's state servers (heals) and the lighthouse's status page and /metrics",
+    "multiprocessing": (
+        "process_group.ProcessGroupGloo or ProcessGroupNCCL: phalanx runs no process "
+        "group in a subprocess of its own"
+    ),
+    "comms": "process_group.ProcessGroupGloo or ProcessGroupNCCL",
+    "torchcomms": "process_group.ProcessGroupGloo or ProcessGroupNCCL",
+    "torchx": "phalanx run (one command per host), or its Slurm and Kubernetes manifests",
+    "utils": "nothing: its helpers serve torchft's own modules",
 }
 
 
