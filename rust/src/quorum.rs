@@ -490,16 +490,8 @@ pub fn decide(round: &Round<'_>) -> Decision {
         None
     };
 
-    // When the first late member on its way would stop counting as such, unless its
-    // beats report progress again (None: none is on its way).
-    let on_their_way = late
-        .iter()
-        .filter_map(|id| live.progressed_at(id))
-        .map(|at| at + config.join_timeout.max(PROGRESS_FRESH))
-        .filter(|until| now < *until)
-        .min();
     let missing = match previous {
-        Some(_) => Missing::of(late.into_iter()),
+        Some(_) => Missing::of(late.iter().copied()),
         None => Missing::of(live.live_ids().filter(|id| !joiners.contains_key(*id))),
     };
     let deadline = first_join + config.join_timeout;
@@ -524,9 +516,21 @@ pub fn decide(round: &Round<'_>) -> Decision {
             reason,
         };
     }
+    // Past the join timeout only (a round's requests mostly come before it): when the
+    // first late member on its way would stop counting as such, unless its beats
+    // report progress again.
     let issued = previous_at.unwrap_or(first_join);
     let straggler = straggler_at(first_rejoin, issued, config.join_timeout);
-    if let Some(until) = on_their_way.filter(|_| now < straggler) {
+    let on_their_way = (now < straggler)
+        .then(|| {
+            late.iter()
+                .filter_map(|id| live.progressed_at(id))
+                .map(|at| at + config.join_timeout.max(PROGRESS_FRESH))
+                .filter(|until| now < *until)
+                .min()
+        })
+        .flatten();
+    if let Some(until) = on_their_way {
         return Decision::Wait {
             until: Some(until.min(straggler)),
             reason: WaitReason::MembersOnTheirWay { missing },
