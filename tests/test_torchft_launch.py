@@ -307,6 +307,113 @@ def test_the_alias_refuses_a_real_torchft_naming_both(fake_torchft):
     assert "pip uninstall torchft torchft-nightly" in last
 
 
+#: How people start a script, each with the alias on PYTHONPATH and a real torchft in
+#: the script's own folder: `{d}` is that folder.
+START_FORMS = {
+    "python": ["{python}", "{d}/train.py"],
+    "python -u": ["{python}", "-u", "{d}/train.py"],
+    "python -X dev": ["{python}", "-X", "dev", "{d}/train.py"],
+    "python -m": ["sh", "-c", "cd {d} && exec {python} -m train"],
+    "sh -c": ["sh", "-c", "cd {d} && {python} train.py"],
+}
+
+
+@pytest.mark.parametrize("form", list(START_FORMS))
+@pytest.mark.parametrize("alias_first", [True, False], ids=["alias-first", "alias-last"])
+def test_a_real_torchft_is_refused_in_the_process_however_the_script_starts(
+    tmp_path, fake_torchft, form, alias_first
+):
+    folder = fake_torchft  # holds torchft/, a real install's shape
+    (folder / "train.py").write_text("import torchft\nprint('trained on', torchft.__name__)\n")
+    other = tmp_path / "other"  # a second real torchft elsewhere on PYTHONPATH
+    (other / "torchft").mkdir(parents=True)
+    (other / "torchft" / "__init__.py").write_text("raise SystemExit('the other ran')\n")
+    entries = [torchft_path(), str(other)]
+    pythonpath = ":".join(entries if alias_first else entries[::-1])
+    command = [w.format(python=sys.executable, d=folder) for w in START_FORMS[form]]
+
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**child_env(), "PYTHONPATH": pythonpath},
+        cwd="/",
+    )
+
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ran" not in done.stderr and "trained on" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: a real torchft can be imported from "), last
+    # The one the process itself would have imported: its script's folder comes first.
+    assert f"imported from {folder / 'torchft'}," in last, last
+
+
+def test_the_alias_keeps_the_sitecustomize_it_hides(tmp_path):
+    """The alias's folder holds a `sitecustomize` of its own: the one it comes before on
+    PYTHONPATH still runs, once."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(
+        "import os\nos.environ['THEIRS_RAN'] = str(int(os.environ.get('THEIRS_RAN', 0)) + 1)\n"
+    )
+    done = python_with(
+        f"{torchft_path()}:{theirs}",
+        "import os, torchft; print(os.environ.get('THEIRS_RAN'), torchft.__name__)",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "phalanx.torchft"]
+
+
+@pytest.mark.parametrize("flags", [["-u"], ["-X", "dev"], ["-uB"]])
+def test_as_torchft_refuses_a_real_torchft_before_any_group_starts_whatever_the_flags(
+    fake_torchft, flags
+):
+    (fake_torchft / "train.py").write_text("import torchft\n")
+    done = run_launcher(
+        "--as-torchft",
+        "--replicas",
+        "2",
+        "--",
+        sys.executable,
+        *flags,
+        str(fake_torchft / "train.py"),
+        timeout=30,
+    )
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"a real torchft can be imported from {fake_torchft / 'torchft'}" in done.stderr
+    assert "lighthouse at" not in done.stdout
+
+
+def test_as_torchft_refuses_an_interpreter_that_ignores_pythonpath(rank_script):
+    done = run_launcher(
+        "--as-torchft", "--", sys.executable, "-E", str(rank_script), "--import", timeout=30
+    )
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "-E` ignores PYTHONPATH, where --as-torchft puts phalanx's torchft" in done.stderr
+
+
+def test_as_torchft_ranks_started_by_a_shell_refuse_a_real_torchft_by_name(fake_torchft):
+    """The launcher cannot see inside `sh -c`; the rank's own `import torchft` says it."""
+    (fake_torchft / "train.py").write_text("import torchft\n")
+    done = run_launcher(
+        "--as-torchft",
+        "--max-restarts",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        f"cd {fake_torchft} && {sys.executable} train.py",
+        timeout=60,
+    )
+
+    assert done.returncode != 0
+    assert "the fake torchft ran" not in done.stdout + done.stderr
+    assert f"a real torchft can be imported from {fake_torchft / 'torchft'}" in done.stdout
+
+
 def test_the_alias_docstring_examples():
     result = doctest.testmod(alias, optionflags=doctest.ELLIPSIS, report=True)
     assert result.attempted > 0 and result.failed == 0

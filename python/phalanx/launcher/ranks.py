@@ -53,28 +53,81 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
     )
 
 
+#: The interpreter's options that take the next word as their value.
+_VALUED = frozenset("WX")
+#: Its long options that do.
+_VALUED_LONG = frozenset({"--check-hash-based-pycs"})
+
+
+def python_start(command: list[str]) -> tuple[str | None, frozenset[str]]:
+    """How a Python `command` (resolved) starts: the first `sys.path` entry it gets
+    (its script's folder; the working directory for `-m`, `-c` or standard input;
+    None under `-P` or `-I`) and the one-letter flags it was given.
+
+    >>> python_start(["python", "-u", "-X", "dev", "/jobs/train.py", "--lr", "1"])
+    ('/jobs', frozenset({'u'}))
+    >>> python_start(["python", "-Im", "train"])[0] is None
+    True
+    """
+    flags: set[str] = set()
+    script = None
+    words = command[1:]
+    at = 0
+    while at < len(words):
+        word = words[at]
+        at += 1
+        if word in _VALUED_LONG:
+            at += 1
+        elif word == "--":
+            script = words[at] if at < len(words) else None
+            break
+        elif word == "-" or not word.startswith("-"):
+            script = None if word == "-" else word
+            break
+        elif not word.startswith("--"):
+            letters = word[1:]
+            ends = next((i for i, letter in enumerate(letters) if letter in "cm"), None)
+            valued = next((i for i, letter in enumerate(letters) if letter in _VALUED), None)
+            stop = min(i for i in (ends, valued, len(letters)) if i is not None)
+            flags.update(letters[:stop])
+            if stop == ends:
+                break  # -c CODE or -m MODULE: the rest is the program's
+            if stop == valued and stop == len(letters) - 1:
+                at += 1  # -X dev: the value is the next word
+    if flags & {"P", "I"}:
+        return None, frozenset(flags)
+    first = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
+    return first, frozenset(flags)
+
+
 def rank_sys_path(command: list[str], environ: Mapping[str, str]) -> list[str]:
     """The `sys.path` a rank running `command` (resolved) would start with: its
     script's folder (or the working directory) first, then PYTHONPATH, then what this
     interpreter's site adds, as the launcher's own `sys.path` shows it.
 
-    >>> rank_sys_path([sys.executable, "/jobs/train.py"], {"PYTHONPATH": "/a:/b"})[:3]
+    >>> rank_sys_path([sys.executable, "-u", "/jobs/train.py"], {"PYTHONPATH": "/a:/b"})[:3]
     ['/jobs', '/a', '/b']
     """
-    first = os.getcwd()
-    if len(command) > 1 and command[1].endswith(".py"):
-        first = os.path.dirname(os.path.abspath(command[1]))
+    first, flags = python_start(command)
     ours = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     # This process's own first entry is its script's folder, not a rank's.
     site = [p for p in sys.path[0 if sys.flags.safe_path else 1 :] if p not in ours]
-    given = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return [first, *given, *site]
+    given = [] if flags & {"E", "I"} else environ.get("PYTHONPATH", "").split(os.pathsep)
+    return [*([first] if first else []), *(p for p in given if p), *site]
 
 
 def torchft_alias_dir(command: list[str], environ: Mapping[str, str]) -> str:
     """The folder whose `torchft` is `phalanx.torchft`, for --as-torchft; ValueError
     (what to do) if the ranks would find a real torchft as well, which the alias
     itself would refuse in every rank."""
+    if os.path.basename(command[0]).startswith("python"):
+        ignored = python_start(command)[1] & {"E", "I"}
+        if ignored:
+            raise ValueError(
+                f"`{command[0]} -{''.join(sorted(ignored))}` ignores PYTHONPATH, where "
+                "--as-torchft puts phalanx's torchft: drop the flag, or import phalanx.torchft "
+                "in the script instead of torchft"
+            )
     found = real_torchft(rank_sys_path(command, environ))
     if found is not None:
         raise ValueError(refusal(found))

@@ -9,7 +9,9 @@ for torchrun, Slurm or Kubernetes. Then `import torchft` finds this package, whi
 `phalanx.torchft` and each of its submodules in its place in `sys.modules`: the very
 same module objects, so `torchft.Manager is phalanx.torchft.Manager` and isinstance
 checks agree. A torchft installed as well is refused by name, never shadowed in
-silence: which one a job runs must not depend on the order of PYTHONPATH.
+silence: which one a job runs must not depend on the order of PYTHONPATH. The folder's
+`sitecustomize` sees to that: it makes `import torchft` this package however the
+process started and wherever the folder is on PYTHONPATH.
 
 Imported under its own name (`phalanx._torchft_alias.torchft`, as the launcher does to
 ask `real_torchft` before it starts a group) it installs nothing.
@@ -24,7 +26,7 @@ import importlib.util
 import os
 import sys
 
-#: The folder to put on PYTHONPATH: it holds this package and nothing else.
+#: The folder to put on PYTHONPATH: it holds this package and its `sitecustomize`.
 ALIAS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
