@@ -20,6 +20,7 @@ from phalanx.snapshots import (
     DamagedSnapshotError,
     Every,
     Manifest,
+    SnapshotKey,
     SnapshotSettings,
     Storage,
     catalog,
@@ -34,6 +35,7 @@ from conftest import small_tmpfs
 from state_process import tensor_bytes
 
 TOKEN = "t0k3n"
+KEY = SnapshotKey.of(TOKEN)
 
 
 def trained(seed: int = 0, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -76,7 +78,7 @@ def write(
     storage: Storage, state: dict, step: int, *, quorum: int = 1, keep: int = 2, lineage: int = 0
 ):
     writer = SnapshotWriter(
-        storage, replica_id="g0", group_rank=0, world_size=1, keep=keep, store=None
+        storage, replica_id="g0", group_rank=0, world_size=1, keep=keep, store=None, key=KEY
     )
     writer.take(state, step, quorum, lineage)
     assert writer.wait(60)
@@ -94,9 +96,9 @@ def test_a_snapshot_loads_bit_identical_into_a_fresh_model_and_optimizer(tmp_pat
     published = write(storage, state_of(model, opt), step=30, quorum=7)
     assert published is not None and published.name == "step-0000000030.l0.q7.json"
     # Published whole: the manifest and its data folder, no temporary left.
-    assert storage.names() == [published.data, published.name]
+    assert storage.names() == sorted([published.data, published.name])
 
-    found = newest(storage, world_size=1)
+    found = newest(storage, 1, KEY)
     assert found == published
     model2, opt2, fresh = fresh_state()
     assert fresh["opt"]["state"] == {}  # a fresh Adam: its moments are allocated by the load
@@ -113,12 +115,12 @@ def test_the_write_runs_beside_training_on_a_copy(tmp_path):
     weight = torch.arange(1 << 20, dtype=torch.float32)
     expected = weight.clone()
     writer = SnapshotWriter(
-        storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None
+        storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None, key=KEY
     )
     writer.take({"w": {"weight": weight}}, 10, 1, 0)
     weight.add_(1.0)  # the next optimizer step, while the write may be running
     assert writer.wait(60)
-    loaded = load(storage, newest(storage, 1), 0, {"w": {"weight": torch.zeros(1 << 20)}})
+    loaded = load(storage, newest(storage, 1, KEY), 0, {"w": {"weight": torch.zeros(1 << 20)}})
     assert torch.equal(loaded["w"]["weight"], expected)
 
 
@@ -132,9 +134,9 @@ def test_the_newest_k_are_kept_and_the_newest_state_is_chosen(tmp_path):
     assert len([n for n in storage.names() if n.endswith(".data")]) == 2
     # A later lineage is newer whatever its step (the lighthouse's order).
     write(storage, state_of(model, opt), 25, quorum=40)
-    assert newest(storage, 1).name == "step-0000000030.l0.q1.json"
+    assert newest(storage, 1, KEY).name == "step-0000000030.l0.q1.json"
     write(storage, state_of(model, opt), 12, quorum=9, lineage=9, keep=3)
-    assert newest(storage, 1).name == "step-0000000012.l9.q9.json"
+    assert newest(storage, 1, KEY).name == "step-0000000012.l9.q9.json"
 
 
 def _corrupt(path: Path, how: str) -> None:
@@ -157,7 +159,7 @@ def test_a_damaged_shard_is_refused_by_name_and_the_next_older_is_used(tmp_path,
     shard = tmp_path / newer.data / "rank-0" / "__0_0.distcp"
     _corrupt(shard, how)
     with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
-        assert newest(storage, 1) == older
+        assert newest(storage, 1, KEY) == older
     warning = caplog.text
     assert f"snapshot {newer.name} is damaged" in warning
     assert "rank-0/__0_0.distcp" in warning
@@ -171,10 +173,10 @@ def test_a_damaged_manifest_is_refused(tmp_path, caplog):
     path = tmp_path / newer.name
     path.write_bytes(path.read_bytes().replace(b"g0", b"g1", 1))
     with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
-        assert newest(storage, 1) == older
-    assert "does not match its checksum" in caplog.text
+        assert newest(storage, 1, KEY) == older
+    assert "its seal does not verify" in caplog.text
     with pytest.raises(DamagedSnapshotError, match="not readable"):
-        Manifest.parse(b"{not json", newer.name)
+        Manifest.parse(b"{not json", newer.name, KEY)
 
 
 def test_a_snapshot_of_a_group_of_another_size_is_passed_over(tmp_path, caplog):
@@ -182,7 +184,7 @@ def test_a_snapshot_of_a_group_of_another_size_is_passed_over(tmp_path, caplog):
     model, opt = trained()
     write(storage, state_of(model, opt), 10)
     with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
-        assert newest(storage, world_size=2) is None
+        assert newest(storage, 2, KEY) is None
     assert "group of 1 rank(s); this group has 2" in caplog.text
 
 
@@ -193,11 +195,11 @@ def test_a_failing_store_warns_once_keeps_the_previous_snapshot_and_never_raises
     model, opt = trained()
     previous = write(storage, state_of(model, opt), 10)
     writer = SnapshotWriter(
-        storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None
+        storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None, key=KEY
     )
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(storage, "publish", full)
     with caplog.at_level(logging.INFO, logger="phalanx.snapshots"):
@@ -206,11 +208,11 @@ def test_a_failing_store_warns_once_keeps_the_previous_snapshot_and_never_raises
             assert writer.wait(60)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert "No space left on device" in warnings[0].getMessage()
+    assert "Input/output error" in warnings[0].getMessage()
     assert "the previous snapshots stay" in warnings[0].getMessage()
     # What the failed writes left is gone; the previous snapshot is whole and newest.
-    assert storage.names() == [previous.data, previous.name]
-    assert newest(storage, 1) == previous
+    assert storage.names() == sorted([previous.data, previous.name])
+    assert newest(storage, 1, KEY) == previous
     # A copy that cannot be made (a value DCP cannot take) is a warning too, not a raise.
     writer.take({"bad": {"x": object()}}, 40, 1, 0)
 
@@ -222,14 +224,14 @@ def test_a_full_disk_keeps_the_previous_snapshot_whole(tmp_path, caplog):
         previous = write(storage, small, 10)
         big = {"m": {"w": torch.ones(4 << 20)}}  # 16 MiB: cannot fit
         writer = SnapshotWriter(
-            storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None
+            storage, replica_id="g0", group_rank=0, world_size=1, keep=2, store=None, key=KEY
         )
         with caplog.at_level(logging.WARNING, logger="phalanx.snapshots"):
             writer.take(big, 20, 1, 0)
             assert writer.wait(60)
         assert "the storage is full" in caplog.text, caplog.text
-        assert storage.names() == [previous.data, previous.name]
-        loaded = load(storage, newest(storage, 1), 0, {"m": {"w": torch.zeros(64 << 10)}})
+        assert storage.names() == sorted([previous.data, previous.name])
+        loaded = load(storage, newest(storage, 1, KEY), 0, {"m": {"w": torch.zeros(64 << 10)}})
         assert torch.equal(loaded["m"]["w"], small["m"]["w"])
 
 
@@ -238,7 +240,7 @@ def test_an_fsspec_url_holds_snapshots_too():
     model, opt = trained()
     try:
         published = write(storage, state_of(model, opt), 10)
-        assert newest(storage, 1) == published
+        assert newest(storage, 1, KEY) == published
         _, _, fresh = fresh_state()
         loaded = load(storage, published, 0, fresh)
         assert fingerprint(loaded["model"]) == fingerprint(model.state_dict())
@@ -257,7 +259,13 @@ def two_ranks(tmp_path):
         store = Store(server.address, token=TOKEN, timeout=10.0)
         writers = [
             SnapshotWriter(
-                storage, replica_id="g0", group_rank=r, world_size=2, keep=2, store=lambda: store
+                storage,
+                replica_id="g0",
+                group_rank=r,
+                world_size=2,
+                keep=2,
+                store=lambda: store,
+                key=KEY,
             )
             for r in (0, 1)
         ]
@@ -423,7 +431,7 @@ def test_phalanx_snapshots_lists_newest_first_and_names_the_one_a_resume_loads(t
     write(storage, state_of(model, opt), 10)
     newer = write(storage, state_of(model, opt), 20)
     _corrupt(tmp_path / newer.data / "rank-0" / "__0_0.distcp", "bit-flipped")
-    assert listing.main([str(tmp_path)]) == 0
+    assert listing.main([str(tmp_path), "--token", TOKEN]) == 0
     out = capsys.readouterr().out
     assert out.index("step-0000000020") < out.index("step-0000000010")
     assert "DAMAGED" in out and "fails its checksum" in out
@@ -436,7 +444,7 @@ def test_phalanx_snapshots_lists_newest_first_and_names_the_one_a_resume_loads(t
     "change",
     [
         {"data": "../../etc"},
-        {"files": [{"name": "../../../etc/passwd", "size": 1, "crc32": 0}]},
+        {"files": [{"name": "../../../etc/passwd", "size": 1, "sha256": "0" * 64}]},
         {"structures": ["{}", "{}"]},
         {"world_size": 0},
     ],
@@ -449,11 +457,11 @@ def test_a_manifest_that_checks_out_but_points_elsewhere_is_refused(tmp_path, ch
     storage = Storage.at(tmp_path)
     model, opt = trained()
     good = write(storage, state_of(model, opt), 10)
-    fields = json.loads(json.loads(good.to_bytes())["body"])
+    fields = json.loads(json.loads(good.to_bytes(KEY))["body"])
     fields.update(change)
     files = [catalog.FileEntry(**f) for f in fields.pop("files")]
     forged = dataclasses.replace(
         good, files=files, **{k: fields[k] for k in change if k != "files"}
     )
     with pytest.raises(DamagedSnapshotError):
-        Manifest.parse(forged.to_bytes(), good.name)
+        Manifest.parse(forged.to_bytes(KEY), good.name, KEY)

@@ -82,6 +82,8 @@ class Rank:
                 group_rank=settings.group_rank,
                 world_size=settings.group_world_size,
                 store=lambda: dist.PrefixStore("phalanx/snapshot", services.store),
+                token=settings.token,
+                state=rank.registry.state,
             )
         watchdog.arm(services.client, settings.replica_id)
         rank.watcher = MembershipWatcher(services.client, rank.losses, rank.heard_loss)

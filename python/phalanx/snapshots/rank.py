@@ -1,8 +1,9 @@
 """A rank's side of durable snapshots, as the step transaction calls it:
 
-resume()   before the first quorum: the newest snapshot that verifies, the same
-           for every rank of the group (rank 0 picks it), whose identity the
-           rank reports, or None
+resume()   before the first quorum: the newest snapshot of this job that verifies
+           and loads on every rank of the group (each rank checks its own part,
+           newest first; the first all ranks accept is taken, by all), whose
+           identity the rank reports, or None
 load()     once the quorum says this group holds the job's newest state: the
            snapshot's tensors into the registered state
 ask()      rank 0, at its vote: whether the state this step commits is to be
@@ -13,6 +14,7 @@ committed() the group's decision said so: the state is taken at the next step's
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +25,9 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.snapshots import resume as _resume
-from phalanx.snapshots.catalog import Manifest
+from phalanx.snapshots.catalog import DamagedSnapshotError, Manifest
 from phalanx.snapshots.schedule import Every, writer
+from phalanx.snapshots.seal import SnapshotKey
 from phalanx.snapshots.storage import Storage
 from phalanx.snapshots.writer import SHARDS_TIMEOUT_S, SnapshotWriter
 
@@ -70,7 +73,12 @@ class RankSnapshots:
         group_rank: int,
         world_size: int,
         store: Callable[[], dist.Store],
+        token: str | None = None,
+        state: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`token`: the job's (its snapshots are sealed under a key derived from it);
+        `state`: this rank's registered state, which a snapshot must fit to be resumed
+        from."""
         # Imported now, not on the training thread at the first snapshot (a second).
         import torch.distributed.checkpoint  # noqa: F401
 
@@ -86,6 +94,15 @@ class RankSnapshots:
         self.world_size = world_size
         self.replica_id = replica_id
         self._store = store
+        self._state = state
+        self.key = SnapshotKey.of(token)
+        if not self.key.authenticated:
+            log.warning(
+                "this job has no token, so its snapshots in %s are sealed under a key "
+                "anyone can derive: give the job a token (--token-file, PHALANX_TOKEN) to "
+                "authenticate them",
+                self.storage.location,
+            )
         self.writer = SnapshotWriter(
             self.storage,
             replica_id=replica_id,
@@ -93,6 +110,7 @@ class RankSnapshots:
             world_size=world_size,
             keep=settings.keep,
             store=store if world_size > 1 else None,
+            key=self.key,
         )
         every = settings.every
         #: The last slot rank 0 considered (by time: the current one, so the first
@@ -152,17 +170,53 @@ class RankSnapshots:
     # -- resuming ------------------------------------------------------------------------
 
     def resume(self) -> Manifest | None:
-        """The snapshot the group resumes from, the same on every rank: rank 0 picks the
-        newest that verifies and leaves its name in the group's store."""
-        if self.group_rank == 0:
-            manifest = _resume.newest(self.storage, self.world_size)
-            if self.world_size > 1:
-                self._store().set(_RESUME_KEY, "" if manifest is None else manifest.name)
-            return manifest
+        """The snapshot the group resumes from, the same on every rank: rank 0 lists
+        this job's snapshots, newest first, in the group's store; each rank checks its
+        own part of each in turn and leaves its verdict there; the first every rank
+        accepts is the one. A snapshot one rank cannot load is passed over by all."""
+        state = None if self._state is None else self._state()
+        if self.world_size == 1:
+            return _resume.newest(self.storage, 1, self.key, 0, state)
         store = self._store()
-        store.wait([_RESUME_KEY], timedelta(seconds=SHARDS_TIMEOUT_S))
-        name = store.get(_RESUME_KEY).decode()
-        return Manifest.parse(self.storage.read(name), name) if name else None
+        wait = timedelta(seconds=SHARDS_TIMEOUT_S)
+        if self.group_rank == 0:
+            names = [m.name for m in _resume.sealed(self.storage, self.key, self.world_size)]
+            store.set(f"{_RESUME_KEY}/names", json.dumps(names))
+        else:
+            store.wait([f"{_RESUME_KEY}/names"], wait)
+            names = json.loads(store.get(f"{_RESUME_KEY}/names"))
+        for i, name in enumerate(names):
+            verdict = self._check(name, state)
+            store.set(f"{_RESUME_KEY}/{i}/{self.group_rank}", verdict)
+            keys = [f"{_RESUME_KEY}/{i}/{r}" for r in range(self.world_size)]
+            store.wait(keys, wait)
+            verdicts = [store.get(k).decode() for k in keys]
+            refused = [(r, v) for r, v in enumerate(verdicts) if v != "ok"]
+            if not refused:
+                return _resume.read(self.storage, name, self.key)
+            rank, why = refused[0]
+            log.warning(
+                "snapshot %s is passed over by every rank of the group: rank %d cannot "
+                "use it (%s); an older one is tried",
+                name,
+                rank,
+                why,
+            )
+        return None
+
+    def _check(self, name: str, state: dict[str, Any] | None) -> str:
+        """ "ok" if this rank can load its part of snapshot `name`, else why not."""
+        try:
+            manifest = _resume.read(self.storage, name, self.key)
+            if state is None:
+                _resume.verify(self.storage, manifest, self.group_rank)
+            else:
+                _resume.check(self.storage, manifest, self.group_rank, state)
+        except DamagedSnapshotError as e:
+            return e.why
+        except Exception as e:  # a verdict is always left: the other ranks wait for it
+            return f"{type(e).__name__}: {e}"
+        return "ok"
 
     def load(self, manifest: Manifest, state: dict[str, Any]) -> dict[str, Any]:
         return _resume.load(self.storage, manifest, self.group_rank, state)

@@ -1,75 +1,144 @@
-"""A cold resume: the newest snapshot that verifies, loaded into this rank's state.
+"""A cold resume: the newest snapshot of this job that verifies and loads, loaded
+into this rank's state.
 
-`newest` walks the snapshots newest first and takes the first whose manifest and
-every file verify (sizes and CRC-32s); a damaged one is refused with its name and the
-next older is tried. `load` rebuilds this rank's state on its structure (tensors in
-place where they fit, as a heal does) and reads the tensors through
-torch.distributed.checkpoint.
+`sealed` walks the manifests newest first and yields those this job sealed (its key)
+whose schema holds; one that does not is passed over with one warning naming it and
+why. `verify` checks every file a snapshot names: a regular file inside its folder, of
+its size (checked before a byte is read), of its SHA-256. `check` also reads the
+rank's `.metadata` (verified bytes, unpickled by an allow list) and sees that the
+snapshot fits this rank's state, so that one that verifies but cannot load is passed
+over before the quorum, not after. `load` reads this rank's files once into memory,
+hashing them as they are read, and hands DCP those bytes alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from phalanx.manifest import decode_state
-from phalanx.snapshots.catalog import DamagedSnapshotError, Manifest, newest_first
-from phalanx.snapshots.storage import Storage
+from phalanx.manifest import IncompatibleStateError, decode_state
+from phalanx.snapshots.catalog import (
+    DAMAGED,
+    REFUSED,
+    UNLOADABLE,
+    DamagedSnapshotError,
+    Manifest,
+    newest_first,
+)
+from phalanx.snapshots.checkpoint import UnsafeMetadataError, VerifiedReader, metadata_of
+from phalanx.snapshots.seal import SnapshotKey
+from phalanx.snapshots.storage import HashMismatchError, Storage, UnsafeFileError
 from phalanx.snapshots.writer import quiet_dcp
 from phalanx.staging import to_devices
 
 log = logging.getLogger("phalanx.snapshots")
 
 
-def verify(storage: Storage, manifest: Manifest) -> None:
-    """DamagedSnapshotError, naming the file, unless every file of `manifest` is there
-    with its size and CRC-32."""
-    for entry in manifest.files:
-        path = f"{manifest.data}/{entry.name}"
-        try:
-            crc, size = storage.crc32(path)
-        except FileNotFoundError:
-            raise DamagedSnapshotError(manifest.name, f"its file {path} is missing") from None
-        if size != entry.size:
-            raise DamagedSnapshotError(
-                manifest.name, f"its file {path} holds {size} bytes, not {entry.size}"
-            )
-        if crc != entry.crc32:
-            raise DamagedSnapshotError(manifest.name, f"its file {path} fails its checksum")
+def read(storage: Storage, name: str, key: SnapshotKey) -> Manifest:
+    """Manifest `name`, if this job sealed it and its schema holds; else
+    DamagedSnapshotError saying why (a manifest that is no regular file included)."""
+    try:
+        data = storage.read_manifest(name)
+    except UnsafeFileError as e:
+        raise DamagedSnapshotError(name, f"its manifest {e}", REFUSED) from None
+    except OSError as e:
+        raise DamagedSnapshotError(name, f"its manifest cannot be read ({e})") from None
+    return Manifest.parse(data, name, key)
 
 
-def newest(storage: Storage, world_size: int) -> Manifest | None:
-    """The newest snapshot that verifies and loads into a group of `world_size` ranks,
-    or None. Damaged and unloadable snapshots are logged and passed over."""
+def sealed(storage: Storage, key: SnapshotKey, world_size: int | None = None) -> Iterator[Manifest]:
+    """This job's manifests in `storage` (of groups of `world_size`, where given),
+    newest first; every other is logged once, with why, and passed over."""
     try:
         names = newest_first(storage.names())
     except OSError as e:
         log.warning("cannot list the snapshots in %s (%s): no resume", storage.location, e)
-        return None
+        return
     for name in names:
         try:
-            manifest = Manifest.parse(storage.read(name), name)
-            if manifest.world_size != world_size:
-                log.warning(
-                    "snapshot %s was written by a group of %d rank(s); this group has %d, so "
-                    "it is not used (resume with groups of the size that wrote it)",
-                    name,
-                    manifest.world_size,
-                    world_size,
-                )
-                continue
-            started = time.monotonic()
-            verify(storage, manifest)
+            manifest = read(storage, name, key)
         except DamagedSnapshotError as e:
             log.warning("%s", e)
             continue
+        if world_size is not None and manifest.world_size != world_size:
+            log.warning(
+                "snapshot %s was written by a group of %d rank(s); this group has %d, so "
+                "it is not used (resume with groups of the size that wrote it)",
+                name,
+                manifest.world_size,
+                world_size,
+            )
+            continue
+        yield manifest
+
+
+def verify(storage: Storage, manifest: Manifest, rank: int | None = None) -> None:
+    """DamagedSnapshotError, naming the file, unless every file of `manifest` (of rank
+    `rank`, where given) is a regular file inside its folder, of its size and SHA-256."""
+    entries = manifest.files if rank is None else manifest.files_of(rank)
+    for entry in entries:
+        path = f"{manifest.data}/{entry.name}"
+        try:
+            digest, _ = storage.hash_file(path, entry.size)
+        except FileNotFoundError:
+            raise DamagedSnapshotError(manifest.name, f"its file {path} is missing") from None
+        except UnsafeFileError as e:
+            kind = DAMAGED if "bytes, not" in str(e) else REFUSED
+            raise DamagedSnapshotError(manifest.name, f"its file {e}", kind) from None
         except OSError as e:
-            log.warning("cannot read snapshot %s (%s); trying an older one", name, e)
+            raise DamagedSnapshotError(manifest.name, f"its file {path}: {e}") from None
+        if digest != entry.sha256:
+            raise DamagedSnapshotError(manifest.name, f"its file {path} fails its checksum")
+
+
+def check(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any]) -> None:
+    """DamagedSnapshotError unless rank `rank`'s part of `manifest` verifies and fits
+    `state` (its structure, and the tensors its DCP metadata holds)."""
+    verify(storage, manifest, rank)
+    try:
+        _, rx = decode_state(manifest.structures[rank].encode(), state)
+        rx.regions()
+        entry = next(f for f in manifest.files_of(rank) if f.name.endswith("/.metadata"))
+        path = f"{manifest.data}/{entry.name}"
+        metadata = metadata_of(storage.read_verified(path, entry.size, entry.sha256))
+        for i, tensor in enumerate(rx.dest):
+            held = metadata.state_dict_metadata.get(str(i))
+            shape = getattr(held, "size", None)
+            dtype = getattr(getattr(held, "properties", None), "dtype", None)
+            if shape != tensor.shape or dtype != tensor.dtype:
+                mine = f"{tensor.dtype} {tuple(tensor.shape)}"
+                raise ValueError(f"its tensor {i} is {dtype} {shape}, this state's {mine}")
+    except (IncompatibleStateError, UnsafeMetadataError, ValueError, OSError) as e:
+        raise DamagedSnapshotError(
+            manifest.name, f"it verifies but does not load into rank {rank}: {e}", UNLOADABLE
+        ) from None
+
+
+def newest(
+    storage: Storage,
+    world_size: int,
+    key: SnapshotKey,
+    rank: int = 0,
+    state: dict[str, Any] | None = None,
+) -> Manifest | None:
+    """The newest snapshot of this job that verifies (and fits `state`, rank `rank`'s,
+    where given) for a group of `world_size` ranks, or None; the rest are logged and
+    passed over."""
+    for manifest in sealed(storage, key, world_size):
+        started = time.monotonic()
+        try:
+            if state is None:
+                verify(storage, manifest)
+            else:
+                check(storage, manifest, rank, state)
+        except DamagedSnapshotError as e:
+            log.warning("%s", e)
             continue
         log.info(
             "snapshot %s verified: %.1f MB in %.3f s",
-            name,
+            manifest.name,
             manifest.nbytes / 1e6,
             time.monotonic() - started,
         )
@@ -79,13 +148,24 @@ def newest(storage: Storage, world_size: int) -> Manifest | None:
 
 def load(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any]) -> dict[str, Any]:
     """Rank `rank`'s state of `manifest`, built on `state` (its registered state now):
-    {name: structure}, ready for the registry's load functions."""
+    {name: structure}, ready for the registry's load functions. Every file is read
+    once and hashed; DCP reads only those bytes (DamagedSnapshotError if one fails)."""
     import torch.distributed.checkpoint as dcp
 
     loaded, rx = decode_state(manifest.structures[rank].encode(), state)
     rx.regions()  # every tensor of the structure has its destination
+    prefix = f"rank-{rank}/"
+    files = {}
+    for entry in manifest.files_of(rank):
+        path = f"{manifest.data}/{entry.name}"
+        try:
+            files[entry.name.removeprefix(prefix)] = storage.read_verified(
+                path, entry.size, entry.sha256
+            )
+        except (UnsafeFileError, HashMismatchError, OSError) as e:
+            raise DamagedSnapshotError(manifest.name, f"its file {e}") from None
     tensors = {str(i): t for i, t in enumerate(rx.dest)}
     quiet_dcp()
-    dcp.load(tensors, storage_reader=storage.reader(f"{manifest.data}/rank-{rank}"), no_dist=True)
+    dcp.load(tensors, storage_reader=VerifiedReader(files), no_dist=True)
     to_devices(rx.device_copies)
     return loaded

@@ -4,19 +4,23 @@
 into host buffers kept from one snapshot to the next (pinned for a GPU's), and
 returns; the training step waits for that copy alone. The write runs in a thread of
 its own, through torch.distributed.checkpoint: each rank writes its own shard
-(`rank-<r>/` of the data folder), checksums what it wrote and leaves the list in the
-group's store; rank 0 waits for every rank's list, makes the folder durable,
-publishes the manifest (one atomic rename), and removes what is past the snapshots
-kept.
+(`rank-<r>/` of the data folder), hashes what it wrote (SHA-256, in that thread: the
+training thread never waits for it) and leaves the list in the group's store; rank 0
+waits for every rank's list, makes the folder durable, publishes the manifest sealed
+with the job's key (one atomic rename), and removes what is past the snapshots kept:
+of this job's own, by what their manifests say, never by a name alone.
 
-A write never fails a step: a full disk or a failing store logs one warning (and
-again only after a write succeeded), removes what it wrote and leaves the previous
-snapshots as they were. One write is in flight per rank: a snapshot due while the last
-is still being written is skipped.
+A write never fails a step: a failing store logs one warning (and again only after a
+write succeeded), removes what it wrote and leaves the previous snapshots as they
+were. A write that fails for space removes this job's oldest snapshot (never its
+last) and tries once more; if that fails too, every interval warns that the newest
+snapshot is not advancing (`not_advancing` counts them). One write is in flight per
+rank: a snapshot due while the last is still being written is skipped.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import threading
@@ -33,7 +37,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from phalanx.manifest import describe_state
-from phalanx.snapshots.catalog import FileEntry, Manifest, stem, to_remove
+from phalanx.snapshots.catalog import (
+    DamagedSnapshotError,
+    FileEntry,
+    Manifest,
+    newest_first,
+    stem,
+    to_remove,
+)
+from phalanx.snapshots.seal import SnapshotKey
 from phalanx.snapshots.storage import Storage
 
 log = logging.getLogger("phalanx.snapshots")
@@ -92,8 +104,15 @@ class SnapshotWriter:
     world_size: int
     keep: int
     store: Callable[[], dist.Store] | None
+    #: The job's key: manifests are sealed with it, and only those it opens are this
+    #: job's to count and remove.
+    key: SnapshotKey
     #: The last snapshot this rank saw published (rank 0), for tests and logs.
     published: Manifest | None = field(default=None, init=False)
+    #: Writes in a row that found no room even after removing this job's oldest.
+    not_advancing: int = field(default=0, init=False)
+    #: The manifests left alone (not this job's, or not readable), as last warned of.
+    _left_alone: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
     _staging: Staging = field(default_factory=Staging, init=False, repr=False)
     #: A failure was warned of, and no write succeeded since.
@@ -109,7 +128,7 @@ class SnapshotWriter:
         thread spent on it (the copy to host memory). Never raises."""
         started = time.monotonic()
         name = stem(step, lineage, state_quorum_id)
-        data = f"{name}.{zlib.crc32(self.replica_id.encode()):08x}.data"
+        data = f"{name}.k{self.key.tag}.{zlib.crc32(self.replica_id.encode()):08x}.data"
         if self.busy:
             log.warning(
                 "the snapshot of step %d is skipped: this rank's last one is still being "
@@ -157,21 +176,25 @@ class SnapshotWriter:
     ) -> None:
         folder = f"{data}/rank-{self.group_rank}"
         try:
-            import torch.distributed.checkpoint as dcp
-
-            quiet_dcp()
-            tensors = {str(i): t for i, t in enumerate(staged)}
-            dcp.save(tensors, storage_writer=self.storage.writer(folder), no_dist=True)
-            files = [
-                (f"rank-{self.group_rank}/{path}", *self.storage.crc32(f"{folder}/{path}"))
-                for path, _ in self.storage.files(folder)
-            ]
+            try:
+                files = self._save(staged, folder)
+            except (Exception, CheckpointException) as e:
+                if not _for_space(e) or not self._make_room():
+                    raise
+                self.storage.remove(folder)
+                log.warning(
+                    "snapshot of step %d found no room in %s: this job's oldest snapshot "
+                    "was removed to make some, and it is written again",
+                    step,
+                    self.storage.location,
+                )
+                files = self._save(staged, folder)
         except (Exception, CheckpointException) as e:
             why = self._reason(e, sum(size for _, size in self._files_or_none(folder)))
             self._report(name, {"failed": why})
             if self.group_rank == 0:
                 self.storage.remove(data)
-                self._failed(step, why)
+                self._failed(step, why, space=_for_space(e))
             return
         shard = {"files": files, "structure": structure.decode()}
         if self.group_rank != 0:
@@ -189,18 +212,21 @@ class SnapshotWriter:
                 replica_id=self.replica_id,
                 world_size=self.world_size,
                 data=data,
-                files=[FileEntry(n, size, crc) for s in shards for n, crc, size in s["files"]],
+                files=[FileEntry(n, size, sha) for s in shards for n, sha, size in s["files"]],
                 structures=[s["structure"] for s in shards],
                 created=time.time(),
                 write_s=time.monotonic() - started,
             )
             self.storage.sync(data)
-            self.storage.publish(manifest.name, manifest.to_bytes())
+            self.storage.publish(
+                manifest.name, manifest.to_bytes(self.key), owner=f"k{self.key.tag}"
+            )
         except (Exception, CheckpointException) as e:
             self.storage.remove(data)
-            self._failed(step, self._reason(e, 0))
+            self._failed(step, self._reason(e, 0), space=_for_space(e))
             return
         self.published = manifest
+        self.not_advancing = 0
         if self._warned:
             log.warning("snapshots are written again: step %d in %s", step, self.storage.location)
         self._warned = False
@@ -212,6 +238,46 @@ class SnapshotWriter:
             self.storage.url(manifest.name),
         )
         self._prune()
+
+    def _save(self, staged: list[torch.Tensor], folder: str) -> list[tuple[str, str, int]]:
+        """Writes this rank's shard into `folder`: (path, SHA-256, size) of its files."""
+        import torch.distributed.checkpoint as dcp
+
+        quiet_dcp()
+        tensors = {str(i): t for i, t in enumerate(staged)}
+        dcp.save(tensors, storage_writer=self.storage.writer(folder), no_dist=True)
+        return [
+            (f"rank-{self.group_rank}/{path}", *self.storage.hash_file(f"{folder}/{path}", size))
+            for path, size in self.storage.files(folder)
+        ]
+
+    def own(self, names: list[str] | None = None) -> tuple[dict[str, Manifest], list[str]]:
+        """This job's manifests in the storage, by name, and the names of the others
+        (another job's, or any this job's key does not open)."""
+        from phalanx.snapshots.resume import read
+
+        names = self.storage.names() if names is None else names
+        own: dict[str, Manifest] = {}
+        others = []
+        for name in newest_first(names):
+            try:
+                own[name] = read(self.storage, name, self.key)
+            except DamagedSnapshotError:
+                others.append(name)
+        return own, others
+
+    def _make_room(self) -> bool:
+        """Removes this job's oldest snapshot, if it holds more than one; whether it did."""
+        try:
+            own, _ = self.own()
+        except OSError:
+            return False
+        if len(own) < 2:
+            return False
+        oldest = min(own.values(), key=lambda m: m.identity)
+        self.storage.remove(oldest.name)
+        self.storage.remove(oldest.data)
+        return True
 
     def _files_or_none(self, folder: str) -> list[tuple[str, int]]:
         try:
@@ -258,14 +324,47 @@ class SnapshotWriter:
     def _prune(self) -> None:
         try:
             names = self.storage.names()
-            kept = names_kept(self.storage, names, self.keep)
-            for name in to_remove(names, self.keep, kept):
+            own, others = self.own(names)
+            for name in to_remove(names, own, self.keep, self.key):
                 self.storage.remove(name)
         except Exception as e:
             log.warning("cannot remove old snapshots in %s: %s", self.storage.location, e)
+            return
+        if others and frozenset(others) != self._left_alone:
+            log.warning(
+                "%d manifest(s) in %s are not this job's (or not readable) and are left "
+                "alone, neither counted towards the %d kept nor removed: %s",
+                len(others),
+                self.storage.location,
+                self.keep,
+                ", ".join(others),
+            )
+        self._left_alone = frozenset(others)
 
-    def _failed(self, step: int, why: str) -> None:
-        """One warning per run of failures; the previous snapshots stay."""
+    def _failed(self, step: int, why: str, space: bool = False) -> None:
+        """One warning per run of failures, but one every interval while the disk holds
+        no room for a newer snapshot; the previous snapshots stay."""
+        if space:
+            self.not_advancing += 1
+            try:
+                held = len(self.own()[0])
+            except OSError:
+                held = 0
+            newest = "none" if self.published is None else f"step {self.published.step}"
+            log.warning(
+                "snapshot of step %d not written: the storage at %s holds only %d snapshot(s) "
+                "of this job and has no room for another, so the newest (%s) is not "
+                "advancing (%d interval(s) in a row): %s; free space there or lower "
+                "--snapshot-keep (the previous snapshots stay)",
+                step,
+                self.storage.location,
+                held,
+                newest,
+                self.not_advancing,
+                why,
+            )
+            self._warned = True
+            return
         message = "snapshot of step %d not written (%s): %s; the previous snapshots stay"
         if self._warned:
             log.info(message, step, self.storage.location, why)
@@ -274,14 +373,20 @@ class SnapshotWriter:
         log.warning(message + "; training goes on", step, self.storage.location, why)
 
 
-def names_kept(storage: Storage, names: list[str], keep: int) -> list[str]:
-    """The data folders the newest `keep` manifests name."""
-    from phalanx.snapshots.catalog import newest_first
-
-    kept = []
-    for name in newest_first(names)[:keep]:
-        try:
-            kept.append(Manifest.parse(storage.read(name), name).data)
-        except (ValueError, OSError):
+def _for_space(error: BaseException) -> bool:
+    """Whether `error` (or one it wraps, DCP's per-rank failures included) is a full
+    disk or quota."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
             continue
-    return kept
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
