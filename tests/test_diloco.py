@@ -351,6 +351,50 @@ def test_the_quantized_all_reduce_averages_over_the_quorum(lighthouse2):
     assert wire == 1000 + 4 * 16  # a quarter of float32's bytes, plus the scales
 
 
+@pytest.fixture
+def solo_world():
+    """This process as a world of one, for FSDP2."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_diloco_over_fsdp2_parameters_steps_as_over_plain_ones(lighthouse, solo_world):
+    """FSDP2 makes every parameter a DTensor (torchtitan's models): the pseudo-
+    gradients, the outer step and the global parameters work on the shards and give
+    the values of the same model unsharded, fragment by fragment."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    sharded, plain = small_model(), small_model()
+    for layer in (sharded[0], sharded[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    ends = {}
+    for name, model in (("fsdp2", sharded), ("plain", plain)):
+        manager = manager_for(lighthouse, f"solo-{name}")
+        inner = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        diloco = phalanx.DiLoCo(manager, model, inner, sync_every=2, fragments=2)
+        committed = []
+        while diloco.inner_step < 6:
+            inner_step(model, inner, "a", diloco.inner_step)
+            sync = diloco.step()
+            committed.append(sync is not None and sync.committed)
+        ends[name] = diloco.global_parameters()
+        manager.shutdown()
+        assert committed == [True] * 6, name
+
+    assert all(isinstance(t, DTensor) for t in ends["fsdp2"].values())
+    for key, value in ends["plain"].items():
+        torch.testing.assert_close(ends["fsdp2"][key].to_local(), value, msg=key)
+
+
 # -- faults, with real processes -------------------------------------------------------
 
 
@@ -385,9 +429,11 @@ def is_committed_sync(line: dict) -> bool:
     return line.get("event") == "sync" and line["committed"]
 
 
-# In the fast tier on purpose (about 20 s): its one test of a group SIGKILL and heal.
-def test_a_group_killed_during_local_steps_heals_at_the_next_sync(spawn, lighthouse):
-    flags = ("--sync-every", "4")
+# In the fast tier on purpose (about 20 s each): its one test of a group SIGKILL and
+# heal, with plain parameters and with FSDP2's DTensors (torchtitan's layout).
+@pytest.mark.parametrize("layout", [(), ("--fsdp",)], ids=["plain", "fsdp2"])
+def test_a_group_killed_during_local_steps_heals_at_the_next_sync(spawn, lighthouse, layout):
+    flags = ("--sync-every", "4", *layout)
     a = start_group(spawn, lighthouse.address, "a", *flags)
     b = start_group(spawn, lighthouse.address, "b", *flags)
     synced = b.expect(

@@ -13,6 +13,9 @@ meet only every `sync_every` inner steps, so a job sends a fraction of DDP's byt
   with `overlap_steps=k` a fragment's all-reduce runs during the next k inner steps,
   whose progress on that fragment is kept (replayed onto the new global values).
   `quantize="int8"` sends int8 codes with per-block scales (phalanx.quantize).
+- FSDP2 models (torchtitan's): parameters that are DTensors sync shard by shard,
+  each rank with the same-numbered rank of the other groups; the global parameters
+  and the outer optimizer's state are DTensors of the same layout.
 
 Every sync is a transaction of the Manager, whose step therefore counts syncs: the
 first one, when the wrapper is made, agrees on the initial parameters (with the
@@ -54,6 +57,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from phalanx.manager import Handle, Manager
 from phalanx.optim import Optimizer
@@ -88,18 +92,43 @@ class SyncOutcome:
     failure: str | None
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """The values of `t` this rank holds, as a plain tensor sharing its storage: a
+    DTensor's (an FSDP2 parameter's) local shard, any other tensor itself. Read anew
+    at each use: FSDP2 may give a parameter new local storage when it first runs."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_grad(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`view` (a shard's values) as the gradient of `like`: a DTensor of the same
+    layout for a DTensor, else `view` itself."""
+    if not isinstance(like, DTensor):
+        return view
+    return DTensor.from_local(
+        view,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
 class _Flat:
     """The parameters of one dtype within a fragment, with one buffer that carries
-    their pseudo-gradient through the all-reduce."""
+    their pseudo-gradient through the all-reduce. Each rank reduces the shards it
+    holds (all of a parameter that is not a DTensor): the same-numbered rank of every
+    group holds the same shard, so shard by shard is the whole average."""
 
     def __init__(self, local: list[torch.Tensor], global_: list[torch.Tensor]):
         self.local = local
         self.global_ = global_
-        total = sum(p.numel() for p in local)
-        self.buffer = torch.empty(total, dtype=local[0].dtype, device=local[0].device)
+        shards = [_shard(p) for p in local]
+        total = sum(p.numel() for p in shards)
+        self.buffer = torch.empty(total, dtype=shards[0].dtype, device=shards[0].device)
         self.views: list[torch.Tensor] = []
         offset = 0
-        for p in local:
+        for p in shards:
             self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         #: The local values when the sync started, while inner steps overlap it.
@@ -108,15 +137,16 @@ class _Flat:
     @torch.no_grad()
     def pseudo_gradient(self, keep_start: bool) -> None:
         for view, g, p in zip(self.views, self.global_, self.local, strict=True):
-            torch.sub(g, p, out=view)
+            torch.sub(_shard(g), _shard(p), out=view)
         if keep_start:
-            self.started = torch.cat([p.reshape(-1) for p in self.local])
+            self.started = torch.cat([_shard(p).reshape(-1) for p in self.local])
 
     @torch.no_grad()
     def adopt_global(self) -> None:
         """Local := new global, plus the local progress made since the sync started."""
         offset = 0
-        for g, p in zip(self.global_, self.local, strict=True):
+        for g_, p_ in zip(self.global_, self.local, strict=True):
+            g, p = _shard(g_), _shard(p_)
             if self.started is None:
                 p.copy_(g)
             else:
@@ -354,7 +384,7 @@ class DiLoCo:
     def _outer_step(self, flats: list[_Flat]) -> None:
         for flat in flats:
             for g, view in zip(flat.global_, flat.views, strict=True):
-                g.grad = view
+                g.grad = _as_grad(view, g)
         self.outer_optimizer.step()
         for flat in flats:
             for g in flat.global_:
@@ -415,7 +445,7 @@ class DiLoCo:
             )
         for g, t in zip(self._global, received.values(), strict=True):
             if t is not g:
-                g.copy_(t)
+                _shard(g).copy_(_shard(t))
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self._inner_step = int(schedule["inner_step"])
         for flats in self._fragments:

@@ -6,6 +6,9 @@ this group healed), "sync_started" when a sync starts at this inner step, "sync"
 every sync that ended (its outcome and a hash of the global parameters and the outer
 optimizer's state), "done" at the end. Data is seeded by (inner step, replica) so
 that every group sees different samples.
+
+`--fsdp` shards the model with FSDP2 over the group's own (one-rank) world first, as
+torchtitan does, so that every parameter DiLoCo syncs is a DTensor.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import time
 import zlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import phalanx
 
@@ -30,6 +36,15 @@ def global_hash(diloco: phalanx.DiLoCo) -> str:
     return digest(tensors_of(diloco.global_parameters(), diloco.outer_optimizer))
 
 
+def shard(model: ConvNet) -> None:
+    """FSDP2 over this process alone: each layer a unit, then the root."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2, model.fc3):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=400, help="inner steps")
@@ -39,11 +54,14 @@ def main() -> None:
     parser.add_argument("--quantize", default=None)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 parameters (DTensors)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # groups start apart
     model = ConvNet()
+    if args.fsdp:
+        shard(model)
     manager = phalanx.Manager(timeout=args.timeout)
     print(json.dumps({"event": "ready", "pid": os.getpid(), "t": time.time()}), flush=True)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -89,6 +107,8 @@ def main() -> None:
         time.sleep(args.step_sleep)
     diloco.finish()
     manager.shutdown()
+    if args.fsdp:
+        dist.destroy_process_group()
     print(json.dumps({"event": "done", "inner_step": diloco.inner_step}), flush=True)
 
 
