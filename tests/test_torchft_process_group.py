@@ -150,6 +150,56 @@ def test_it_is_a_real_process_group_registered_by_name(solo):
     assert manager.should_commit()
 
 
+@pytest.mark.parametrize("world", ["default group", "no default group"])
+def test_register_makes_it_one_of_torchs_named_groups(solo, world):
+    """torchtitan's `ManagedProcessGroup(manager).register("dp_replicate")`: then
+    every torch.distributed function that takes a group knows it."""
+    manager, pg = solo
+    if world == "default group":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert pg.register("dp_replicate") is pg
+        assert pg.register("dp_replicate") is pg, "registering again is harmless"
+        manager.start_quorum()
+        assert dist.get_world_size(pg) == 1
+        assert str(dist.get_backend(pg)) == "phalanx-managed"
+        assert dist.get_process_group_ranks(pg) == [0]
+        if world == "default group":
+            assert dist.get_rank(pg) == 0
+        out = funcol.all_reduce(torch.tensor([2.0, 4.0]), "sum", "dp_replicate")
+        assert funcol.wait_tensor(out).tolist() == [2.0, 4.0]
+        assert pg.group_name == "dp_replicate"
+        other = ManagedProcessGroup(manager)
+        with pytest.raises(ValueError, match="a group named 'dp_replicate' already"):
+            other.register("dp_replicate")
+        with pytest.raises(ValueError, match="registered as 'dp_replicate' already"):
+            pg.register("another")
+        with pytest.raises(ValueError, match="takes a group name"):
+            other.register("")
+        other.unregister()
+        assert manager.should_commit(), manager.failure
+        pg.unregister()
+        with pytest.raises(ValueError, match="not initialized in the world group map"):
+            dist.get_backend(pg)
+        assert pg.register("dp_replicate") is pg, "the name is free again"
+    finally:
+        if world == "default group":
+            dist.destroy_process_group()  # forgets every group, this one included
+    pg.unregister()
+
+
+def test_torchfts_other_process_group_methods_are_refused_by_name(solo):
+    manager, pg = solo
+    for name in ("configure", "set_timeout", "abort"):
+        with pytest.raises(NotImplementedError, match=rf"{name} \(torchft's .* not phalanx's"):
+            getattr(pg, name)()
+    manager.start_quorum()
+    assert pg.errored() is None
+    manager.report_error("a peer died")
+    assert "a peer died" in str(pg.errored())
+    assert not manager.should_commit()
+
+
 def test_an_unsupported_op_raises_with_its_name_and_the_step_goes_on(solo):
     manager, pg = solo
     manager.start_quorum()
@@ -283,6 +333,14 @@ def test_fsdp2_inside_groups_with_the_all_reduce_hook_over_it(spawn, tmp_path):
         assert [line["participants"] for line in lines] == [2] * n_steps
         losses = [line["loss"] for line in lines]
         assert losses[-1] < losses[0], f"{child.name}: the loss did not fall: {losses}"
+        assert {line["world"][1] for line in lines} == {2}
+        assert {line["world"][2] for line in lines} == {"phalanx-managed"}
+    for rank in (0, 1):
+        for step in range(n_steps):
+            at = [steps(c)[step] for c in ranks if c.name.endswith(f"/{rank}")]
+            assert {line["world"][0] for line in at} == {0, 1}, "each group its replica rank"
+            assert len({line["loss_sum"] for line in at}) == 1
+            assert at[0]["loss_sum"] == pytest.approx(sum(line["loss"] for line in at))
 
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

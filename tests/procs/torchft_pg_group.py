@@ -15,7 +15,9 @@ Modes (one JSON line per event on stdout):
   MASTER_PORT, PHALANX_REPLICA_ID, PHALANX_LIGHTHOUSE in the environment): FSDP2's
   `fully_shard` over the group's ranks, and an all-reduce hook that averages every
   reduce-scattered gradient shard across the groups over ManagedProcessGroup, the way
-  torchtitan hosts fault tolerance. It saves its full parameters at the end.
+  torchtitan hosts fault tolerance: the group `register`ed as "dp_replicate", the
+  loss summed across the groups by a functional all-reduce. It saves its full
+  parameters at the end.
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ def fsdp(args: argparse.Namespace) -> None:
     manager.register_state("model", model.state_dict, model.load_state_dict)
     manager.register_state("optim", optimizer.state_dict, optimizer.load_state_dict)
 
+    # As torchtitan's TorchFTManager does: one of torch's named groups.
     pg = ManagedProcessGroup(manager)
+    pg.register("dp_replicate")
 
     def average_across_groups(shard: torch.Tensor) -> None:
         dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=pg)
@@ -163,6 +167,8 @@ def fsdp(args: argparse.Namespace) -> None:
         manager.wait_quorum()  # a heal, if any, before FSDP2 reads the parameters
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        # torchtitan's loss sync across the groups: functional, by the group.
+        summed = funcol.wait_tensor(funcol.all_reduce(loss.detach(), "sum", group=pg))
         committed = manager.should_commit()
         if committed:
             optimizer.step()
@@ -172,8 +178,10 @@ def fsdp(args: argparse.Namespace) -> None:
             step=step,
             rank=rank,
             loss=loss.item(),
+            loss_sum=summed.item(),
             committed=committed,
             participants=manager.num_participants(),
+            world=[dist.get_rank(pg), dist.get_world_size(pg), str(dist.get_backend(pg))],
         )
     # full_tensor() all-gathers inside the group: every rank takes part.
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}

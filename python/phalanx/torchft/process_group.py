@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -367,6 +367,8 @@ class ManagedProcessGroup(dist.ProcessGroup):
         super().__init__(0, 1)
         self._manager = inner
         self._group_name = f"phalanx-managed:{inner.replica_id}:{next(_NUMBERS)}"
+        #: The name `register` gave it in torch's world, if any.
+        self._world_name: str | None = None
         _register_process_group(self._group_name, self)
         _REGISTERED[self._group_name] = self
 
@@ -430,16 +432,113 @@ class ManagedProcessGroup(dist.ProcessGroup):
 
     @property
     def group_name(self) -> str:
-        """The name torch's registry knows this group by (functional collectives)."""
-        return self._group_name
+        """The name torch's registry knows this group by (functional collectives):
+        the one `register` gave it, else one of its own."""
+        return self._world_name or self._group_name
+
+    def register(self, name: str) -> ManagedProcessGroup:
+        """Makes this group one of torch.distributed's named groups, as `new_group`
+        makes one: `get_rank(group)`, `get_world_size(group)`, `get_backend(group)`,
+        `get_process_group_ranks(group)` and `destroy_process_group()` know it, and
+        the functional collectives find it by `name` too. Its rank and size stay
+        the step's (`rank()`, `size()`), asked anew each time. Returns the group.
+
+        `name` must be new to this process (ValueError naming the group that holds
+        it); registering again under the same name does nothing.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register() takes a group name (a non-empty str), got {name!r}")
+        if self._world_name == name:
+            return self
+        if self._world_name is not None:
+            raise ValueError(
+                f"{self!r} is registered as {self._world_name!r} already; a group has one "
+                "name in torch's world: call unregister() first"
+            )
+        holder = next((pg for pg, n in _world().pg_names.items() if n == name), None)
+        if holder is not None or name in _REGISTERED:
+            raise ValueError(
+                f"torch.distributed has a group named {name!r} already "
+                f"({holder or _REGISTERED[name]!r}); give each group its own name"
+            )
+        _register_process_group(name, self)
+        _REGISTERED[name] = self
+        world = _world()
+        world.pg_map[self] = (self.getBackendName(), None)
+        world.pg_names[self] = name
+        world.pg_group_ranks[self] = _OwnRank(self)
+        world.pg_backend_config[self] = self.getBackendName()
+        tag = f"ptd:{name}"
+        world.pg_to_tag[self] = tag
+        world.tags_to_pg.setdefault(tag, []).append(self)
+        self._world_name = name
+        return self
 
     def unregister(self) -> None:
-        """Drops the group from torch's registry (and this module's hold on it)."""
-        if _REGISTERED.pop(self._group_name, None) is not None:
-            _unregister_process_group(self._group_name)
+        """Drops the group from torch's registries (and this module's hold on it)."""
+        for name in (self._group_name, self._world_name):
+            if name is not None and _REGISTERED.get(name) is self:
+                del _REGISTERED[name]
+                _unregister_process_group(name)
+        if self._world_name is not None:
+            world = _world()
+            for table in (world.pg_map, world.pg_names, world.pg_group_ranks):
+                table.pop(self, None)
+            world.pg_backend_config.pop(self, None)
+            tag = world.pg_to_tag.pop(self, None)
+            holders = world.tags_to_pg.get(tag, [])
+            if self in holders:
+                holders.remove(self)
+            self._world_name = None
+
+    def errored(self) -> Exception | None:
+        """Why this step's collectives failed (the step's vote will be "no"), or None."""
+        failure = self._manager.failure
+        return RuntimeError(failure) if failure else None
 
     def __repr__(self) -> str:
         return f"ManagedProcessGroup({self._group_name!r})"
+
+
+#: torchft's ProcessGroup methods that a phalanx ManagedProcessGroup leaves to others:
+#: calling one raises NotImplementedError saying who does it.
+_MANAGED_INSTEAD = {
+    "configure": "the Manager builds and rebuilds the cross-group process group at "
+    "every quorum change itself",
+    "set_timeout": "the Manager's timeout (and the backend's, ProcessGroupGloo(timeout=...)) "
+    "bounds each collective",
+    "abort": "a failed collective fails the step's vote; the Manager rebuilds the group",
+}
+
+
+def _world() -> Any:
+    """torch.distributed's table of the process's groups (`new_group` fills it)."""
+    return dist.distributed_c10d._world
+
+
+class _OwnRank(Mapping[int, int]):
+    """A registered group's entry in torch's table of ranks, from this process's
+    global rank (0 without a default process group) to its rank in the group, the
+    step's replica rank, asked of the group at each look-up: the groups of a step
+    change from one quorum to the next."""
+
+    def __init__(self, group: ManagedProcessGroup) -> None:
+        self._group = group
+
+    @staticmethod
+    def _global() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def __getitem__(self, global_rank: int) -> int:
+        if global_rank != self._global():
+            raise KeyError(global_rank)
+        return self._group.rank()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self._global(),))
+
+    def __len__(self) -> int:
+        return 1
 
 
 def _is_average(opts: object) -> bool:
@@ -472,6 +571,21 @@ def _unsupported(name: str, function: str) -> Callable[..., Any]:
 
 for _name, _function in UNSUPPORTED.items():
     setattr(ManagedProcessGroup, _name, _unsupported(_name, _function))
+
+
+def _left_to_the_manager(name: str, instead: str) -> Callable[..., Any]:
+    def method(self: ManagedProcessGroup, *args: object, **kwargs: object) -> Any:
+        raise NotImplementedError(
+            f"ManagedProcessGroup.{name} (torchft's ProcessGroup.{name}) is not phalanx's "
+            f"to call: {instead}"
+        )
+
+    method.__name__ = name
+    return method
+
+
+for _name, _instead in _MANAGED_INSTEAD.items():
+    setattr(ManagedProcessGroup, _name, _left_to_the_manager(_name, _instead))
 
 
 #: torchft.process_group names phalanx does not provide, and what to use instead.
