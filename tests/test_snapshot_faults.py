@@ -34,11 +34,15 @@ import pytest
 
 from phalanx.snapshots import catalog
 from phalanx.snapshots.catalog import Manifest
+from phalanx.snapshots.seal import SnapshotKey
 
 from conftest import PROCS, Child, wait_until
 
 TRAIN = PROCS / "snapshot_train.py"
 EVERY = 4
+#: The job's token: its snapshots are sealed under a key derived from it.
+TOKEN = "snapshot-faults-token"
+KEY = SnapshotKey.of(TOKEN)
 #: Long enough for imports and a quorum on 2 busy cores.
 WAIT = 90.0
 
@@ -72,7 +76,7 @@ class Job:
             sys.executable, "-m", "phalanx", "run", "--replicas", "2", "--min-replicas", "2",
             "--nproc-per-replica", str(nproc), "--restart-backoff", str(backoff),
             "--snapshot-dir", str(folder), "--snapshot-every", str(EVERY),
-            "--", str(TRAIN), *rank_args,
+            "--token", TOKEN, "--", str(TRAIN), *rank_args,
         ]  # fmt: skip
         self.launcher = spawn("phalanx run", argv)
 
@@ -143,7 +147,7 @@ def manifests(folder: Path) -> list[Manifest]:
     found = []
     for name in catalog.newest_first(os.listdir(folder) if folder.exists() else []):
         try:
-            found.append(Manifest.parse((folder / name).read_bytes(), name))
+            found.append(Manifest.parse((folder / name).read_bytes(), name, KEY))
         except FileNotFoundError:
             continue
     return found

@@ -103,9 +103,9 @@ def hold_writes(mode: str, hold_from: int) -> None:
     if mode == "publish":
         publish = storage.LocalStorage.publish
 
-        def held_publish(self, name: str, data: bytes) -> None:
+        def held_publish(self, name: str, data: bytes, owner: str = "") -> None:
             hold(name)
-            publish(self, name, data)
+            publish(self, name, data, owner)
 
         storage.LocalStorage.publish = held_publish
         return

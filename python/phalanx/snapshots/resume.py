@@ -18,6 +18,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
 from phalanx.manifest import IncompatibleStateError, decode_state
 from phalanx.snapshots.catalog import (
     DAMAGED,
@@ -98,8 +101,10 @@ def check(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any]
     `state` (its structure, and the tensors its DCP metadata holds)."""
     verify(storage, manifest, rank)
     try:
-        _, rx = decode_state(manifest.structures[rank].encode(), state)
+        loaded, rx = decode_state(manifest.structures[rank].encode(), state)
         rx.regions()
+        if why := misfit(loaded, state):
+            raise ValueError(why)
         entry = next(f for f in manifest.files_of(rank) if f.name.endswith("/.metadata"))
         path = f"{manifest.data}/{entry.name}"
         metadata = metadata_of(storage.read_verified(path, entry.size, entry.sha256))
@@ -114,6 +119,34 @@ def check(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any]
         raise DamagedSnapshotError(
             manifest.name, f"it verifies but does not load into rank {rank}: {e}", UNLOADABLE
         ) from None
+
+
+def misfit(loaded: Any, local: Any, path: str = "") -> str | None:
+    """Where a snapshot's state (`loaded`) holds a tensor of another shape or dtype than
+    this rank's state (`local`) holds at the same place (another model), or None.
+    Places only one of them has (a fresh optimizer's moments) are no misfit.
+
+    >>> import torch
+    >>> misfit({"w": torch.zeros(3)}, {"w": torch.zeros(4), "v": 1})
+    'w is torch.float32 (3,) in the snapshot, torch.float32 (4,) in this state'
+    """
+    if isinstance(loaded, torch.Tensor) and isinstance(local, torch.Tensor):
+        if loaded.shape == local.shape and loaded.dtype == local.dtype:
+            return None
+        return (
+            f"{path.lstrip('/') or 'the state'} is {loaded.dtype} {tuple(loaded.shape)} in the "
+            f"snapshot, {local.dtype} {tuple(local.shape)} in this state"
+        )
+    if isinstance(loaded, dict) and isinstance(local, dict):
+        pairs = [(k, loaded[k], local[k]) for k in loaded if k in local]
+    elif isinstance(loaded, list | tuple) and isinstance(local, list | tuple):
+        pairs = list(zip(range(len(loaded)), loaded, local, strict=False))
+    else:
+        return None
+    for k, a, b in pairs:
+        if why := misfit(a, b, f"{path}/{k}"):
+            return why
+    return None
 
 
 def newest(
@@ -166,6 +199,12 @@ def load(storage: Storage, manifest: Manifest, rank: int, state: dict[str, Any])
             raise DamagedSnapshotError(manifest.name, f"its file {e}") from None
     tensors = {str(i): t for i, t in enumerate(rx.dest)}
     quiet_dcp()
-    dcp.load(tensors, storage_reader=VerifiedReader(files), no_dist=True)
+    try:
+        dcp.load(tensors, storage_reader=VerifiedReader(files), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's is no Exception
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        raise DamagedSnapshotError(
+            manifest.name, f"it verifies but does not load into rank {rank}: {why}", UNLOADABLE
+        ) from None
     to_devices(rx.device_copies)
     return loaded

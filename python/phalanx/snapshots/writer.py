@@ -179,7 +179,7 @@ class SnapshotWriter:
             try:
                 files = self._save(staged, folder)
             except (Exception, CheckpointException) as e:
-                if not _for_space(e) or not self._make_room():
+                if not self._for_space(e, folder) or not self._make_room():
                     raise
                 self.storage.remove(folder)
                 log.warning(
@@ -194,7 +194,7 @@ class SnapshotWriter:
             self._report(name, {"failed": why})
             if self.group_rank == 0:
                 self.storage.remove(data)
-                self._failed(step, why, space=_for_space(e))
+                self._failed(step, why, space=self._for_space(e, data))
             return
         shard = {"files": files, "structure": structure.decode()}
         if self.group_rank != 0:
@@ -223,7 +223,7 @@ class SnapshotWriter:
             )
         except (Exception, CheckpointException) as e:
             self.storage.remove(data)
-            self._failed(step, self._reason(e, 0), space=_for_space(e))
+            self._failed(step, self._reason(e, 0), space=self._for_space(e, data))
             return
         self.published = manifest
         self.not_advancing = 0
@@ -265,6 +265,16 @@ class SnapshotWriter:
             except DamagedSnapshotError:
                 others.append(name)
         return own, others
+
+    def _for_space(self, error: BaseException, folder: str) -> bool:
+        """Whether `error` is for want of space: a full disk or quota, told by the error
+        (DCP's per-rank failures included) or by what is left free (a full disk may
+        reach DCP as a torn file, not as ENOSPC)."""
+        if _tells_of_space(error):
+            return True
+        free = self.storage.free_bytes()
+        written = sum(size for _, size in self._files_or_none(folder))
+        return free is not None and free < max(written, 1 << 20)
 
     def _make_room(self) -> bool:
         """Removes this job's oldest snapshot, if it holds more than one; whether it did."""
@@ -373,7 +383,7 @@ class SnapshotWriter:
         log.warning(message + "; training goes on", step, self.storage.location, why)
 
 
-def _for_space(error: BaseException) -> bool:
+def _tells_of_space(error: BaseException) -> bool:
     """Whether `error` (or one it wraps, DCP's per-rank failures included) is a full
     disk or quota."""
     seen: set[int] = set()
