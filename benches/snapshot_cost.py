@@ -87,7 +87,8 @@ def main() -> None:
         base = rows.get(("older", size))
         ratio = ""
         if base and tree == "this":
-            ratio = f"{r['write_s'] / base['write_s']:.2f}x / {r['verify_s'] / base['verify_s']:.2f}x"
+            w, v = r["write_s"] / base["write_s"], r["verify_s"] / base["verify_s"]
+            ratio = f"{w:.2f}x / {v:.2f}x"
         print(
             f"{size:<6} {tree:<6} {r['write_s']:>8.3f} {r['verify_s']:>9.3f} "
             f"{r['training_thread_s']:>8.3f}  {ratio}"
