@@ -48,6 +48,14 @@ def test_snapshot_cost_quick():
     assert set(large["write_hold"]) == {"snapshot", "plain", "idle"}
 
 
+def test_snapshot_seal_quick():
+    result = run_quick("snapshot_seal.py", timeout=100)
+    assert result["bench"] == "snapshot_seal"
+    (row,) = result["rows"]
+    assert row["tree"] == "this" and row["size"] == "4MB"
+    assert row["write_s"] > 0 and row["verify_s"] > 0 and row["training_thread_s"] > 0
+
+
 def test_scale_curve_quick():
     result = run_quick("scale_curve.py", timeout=120)
     assert result["bench"] == "scale_curve"
