@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
 from phalanx.crashes import Crash, CrashLoop, CrashReader
+from phalanx.launcher.tree import signal_life
 from phalanx.restarts import CommitWatch, Exit, RestartCount
 
 
@@ -20,6 +19,8 @@ class Group:
     #: Its place among the launcher's groups: REPLICA_GROUP_ID of its ranks.
     index: int = 0
     procs: list[subprocess.Popen] = field(default_factory=list)
+    #: The mark of this life's processes (`phalanx.launcher.tree`); "": none.
+    life: str = ""
     #: Its failures since it last committed a step, which --max-restarts bounds.
     count: RestartCount = field(default_factory=RestartCount)
     #: Whether it committed a step in this life.
@@ -63,8 +64,6 @@ class Group:
         return loop
 
     def signal(self, signum: int) -> None:
-        """Sends `signum` to each of its ranks still running."""
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signum)
+        """Sends `signum` to every process of this life: its ranks still running and
+        whatever they started (torchrun's workers included), orphans too."""
+        signal_life([p.pid for p in self.procs if p.poll() is None], self.life, signum)

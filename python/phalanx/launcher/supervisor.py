@@ -19,6 +19,7 @@ from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.group import Group
 from phalanx.launcher.observer import LaunchObserver
 from phalanx.launcher.ranks import rank_mode, resolve, torchft_alias_dir
+from phalanx.launcher.tree import LIFE_VARIABLE
 from phalanx.restarts import (
     SIGHTING_AWAY,
     SIGHTING_EVERY,
@@ -108,8 +109,12 @@ class Launcher:
         return rank
 
     def start_group(self, group: Group) -> None:
+        # Nothing of the last life outlives it: a rank that died may leave its own
+        # children (torchrun's workers, a shell's program) behind.
+        group.signal(signal.SIGKILL)
         port = _free_port()
         world = self.config.nproc_per_replica
+        group.life = f"{os.getpid()}:{group.replica_id}:{port}"
         group.procs = []
         group.readers = []
         group.watch = CommitWatch()
@@ -126,6 +131,7 @@ class Launcher:
                 "PHALANX_LIGHTHOUSE": self.lighthouse,
                 "PHALANX_REPLICA_ID": group.replica_id,
                 "PYTHONUNBUFFERED": "1",
+                LIFE_VARIABLE: group.life,
             }
             if self.token is not None:
                 env["PHALANX_TOKEN"] = self.token
@@ -145,9 +151,9 @@ class Launcher:
         group.signal(signum)
 
     def stop_groups(self, groups: list[Group], grace: float = 5.0) -> None:
-        """SIGTERM to every rank of `groups` at once (so that none of them is left
-        waiting for another in a step), then SIGKILL to those still alive after
-        `grace` seconds."""
+        """SIGTERM to every process of `groups` at once (so that none of them is
+        left waiting for another in a step), then SIGKILL to whatever of each life
+        is left after `grace` seconds (`phalanx.launcher.tree`)."""
         for group in groups:
             self.signal_group(group, signal.SIGCONT)
             self.signal_group(group, signal.SIGTERM)
@@ -155,9 +161,10 @@ class Launcher:
         for p in (p for group in groups for p in group.procs):
             while p.poll() is None and time.monotonic() < deadline:
                 self.drain(0.05)
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for group in groups:
+            self.signal_group(group, signal.SIGKILL)  # what is left of each life
+        for p in (p for group in groups for p in group.procs):
+            p.wait()
         self.drain()
 
     # -- output -------------------------------------------------------------------
