@@ -56,6 +56,10 @@ JOBS = {
     "diloco": Job("torchft_diloco.py", steps=500),
     "local_sgd": Job("torchft_local_sgd.py", steps=400),
     "fsdp": Job("torchft_fsdp.py", steps=250, replicas=2, nproc=2, kill_every="3s"),
+    # torchtitan's start-up: init_process_group() takes MASTER_PORT before the Manager.
+    "torchtitan": Job(
+        "torchft_fsdp.py", steps=250, replicas=2, nproc=2, kill_every="3s", args=("--torchtitan",)
+    ),
 }
 
 

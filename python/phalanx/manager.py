@@ -45,8 +45,10 @@ class Manager:
     pass `settings=` made by it), else from their defaults: `timeout`, the budget every
     deadline of a step follows from (`Timeouts`), 30 s; `heartbeat_interval` and
     `init_sync` as the manager server's (`_core.MANAGER_DEFAULTS`). Rank 0 serves the
-    group's manager server and rendezvous store at MASTER_ADDR:MASTER_PORT (under
-    torchrun, whose own store is there: on a free port, met through torchrun's store),
+    group's manager server and rendezvous store at MASTER_ADDR:MASTER_PORT
+    (PHALANX_STORE_PORT instead where set, as `phalanx run` does, leaving MASTER_PORT to
+    the program's own `init_process_group()`; under torchrun, whose own store is at
+    MASTER_PORT: on a free port, met through torchrun's store),
     behind the job token. `device` (default: the rank's GPU, `cuda:LOCAL_RANK`, where
     CUDA is available, else cpu) is where the collectives' tensors live: NCCL for CUDA,
     gloo for CPU.

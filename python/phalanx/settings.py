@@ -233,7 +233,7 @@ class ManagerSettings:
             group_rank=int(given.pop("group_rank", env.get("RANK", "0"))),
             group_world_size=int(given.pop("group_world_size", env.get("WORLD_SIZE", "1"))),
             store_addr=given.pop("store_addr", None) or env.get("MASTER_ADDR", "127.0.0.1"),
-            store_port=int(given.pop("store_port", env.get("MASTER_PORT", "0"))),
+            store_port=int(given.pop("store_port", None) or env.store_port()),
             token=resolve_token(given.pop("token", None), None, env.environ),
             job=given.pop("job", None) or env.get("PHALANX_JOB"),
             job_rules=given.pop("job_rules", None) or env.get("PHALANX_JOB_RULES"),
@@ -304,6 +304,15 @@ class _Environment:
             raise ValueError(
                 f"{name}={text!r} is not a number of seconds; set it to e.g. {example}"
             ) from None
+
+    def store_port(self) -> str:
+        """The port of the group's store: PHALANX_STORE_PORT where a launcher leaves
+        MASTER_PORT to the program's own torch (`phalanx run` does: a script that calls
+        `init_process_group()` hosts torch's store there), else MASTER_PORT; under
+        torchrun MASTER_PORT is its agent's store, met through (`launcher_store_key`)."""
+        if self.launcher_store_key() is None and self.get("PHALANX_STORE_PORT"):
+            return self.get("PHALANX_STORE_PORT")
+        return self.get("MASTER_PORT", "0")
 
     def launcher_store_key(self) -> str | None:
         """Under torchrun (its workers share its agent's store at MASTER_PORT), where

@@ -9,7 +9,11 @@ torchtitan hosts fault tolerance. Written against torchft's public API; `phalanx
 
 torchft builds the group's own mesh with `torchft.device_mesh`, which phalanx does
 not have (it names this pattern instead): the mesh of the group's ranks is
-`phalanx.hsdp.shard_mesh`, over the group's own store. One JSON line per step and
+`phalanx.hsdp.shard_mesh`, over the group's own store. With `--torchtitan` it starts
+as torchtitan's trainer does instead: `init_process_group()` first (torch's own store
+on MASTER_PORT, as under torchrun), the mesh from `init_device_mesh`, the managed
+group `register`ed as "dp_replicate", the loss summed across the groups by a
+functional all-reduce on that name. One JSON line per step and
 rank (tests/procs/torchft_steplog.py); the fingerprint is of this rank's shards of
 the model and the optimizer state, the same on rank r of every group.
 """
@@ -24,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torchft
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchft.process_group import ManagedProcessGroup
 from torchft_steplog import Environment, StepLog
@@ -47,9 +53,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True, help="stop at this many steps")
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--torchtitan", action="store_true", help="torchtitan's start-up")
     args = parser.parse_args()
     env = Environment.read()
     torch.set_num_threads(1)
+    if args.torchtitan:
+        dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
 
     timeout = timedelta(seconds=args.timeout)
 
@@ -75,13 +84,18 @@ def main() -> None:
     # Every rank of every group builds the same weights: FSDP2 keeps each rank's slice.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
-    mesh = shard_mesh(manager.phalanx)
+    if args.torchtitan:
+        mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = shard_mesh(manager.phalanx)
     for unit in (model[0], model[2]):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
 
     pg = ManagedProcessGroup(manager)
+    if args.torchtitan:
+        pg.register("dp_replicate")
 
     def average_across_groups(shard: torch.Tensor) -> None:
         dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=pg)
@@ -99,9 +113,13 @@ def main() -> None:
         x, y = batch(env.replica_group, env.rank, manager.current_step())
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # the hook averages each gradient shard across the groups
+        extra = {}
+        if args.torchtitan:  # its loss sync across the groups, by the group's name
+            summed = funcol.all_reduce(loss.detach(), "sum", group="dp_replicate")
+            extra["loss_sum"] = funcol.wait_tensor(summed).item()
         optimizer.step()
         state = lambda: tensors_of(model.state_dict(), inner)  # noqa: E731
-        log.write(started, loss.item(), log.committed(before), state)
+        log.write(started, loss.item(), log.committed(before), state, **extra)
     pg.unregister()
     manager.shutdown()
     dist.destroy_process_group()

@@ -4,11 +4,12 @@ inject failures on purpose.
     phalanx run --replicas 3 --nproc-per-replica 2 -- train.py --lr 0.1
 
 Each group gets W rank processes with the usual environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/MASTER_PORT for the group's own store), PHALANX_* for the
-job, and torchft's REPLICA_GROUP_ID (the group's index, 0 to N-1) and
-NUM_REPLICA_GROUPS (N, this launcher's groups). With --as-torchft, `import torchft`
-in the ranks is `phalanx.torchft` (`torchft_alias_dir`) and TORCHFT_LIGHTHOUSE is the
-lighthouse's address.
+LOCAL_RANK, MASTER_ADDR/MASTER_PORT, left to the program's own torch, as torchrun
+leaves them), PHALANX_* for the job (PHALANX_STORE_PORT: where the group's rank 0
+serves phalanx's manager and store), and torchft's REPLICA_GROUP_ID (the group's
+index, 0 to N-1) and NUM_REPLICA_GROUPS (N, this launcher's groups). With
+--as-torchft, `import torchft` in the ranks is `phalanx.torchft` (`torchft_alias_dir`)
+and TORCHFT_LIGHTHOUSE is the lighthouse's address.
 Without --lighthouse, the launcher serves one itself; with it, the groups join
 that job, which is how a multi-host job is started (one `phalanx run --replicas 1
 --replica-id … --token-file FILE` per host, FILE written once by `phalanx token`). A

@@ -3,6 +3,7 @@ restarts a group that fails (or gives up on it), and stops them all at the end."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -42,10 +43,13 @@ class _Output:
     reader: CrashReader | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now (held open together while they are picked)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class Launcher:
@@ -112,7 +116,9 @@ class Launcher:
         # Nothing of the last life outlives it: a rank that died may leave its own
         # children (torchrun's workers, a shell's program) behind.
         group.signal(signal.SIGKILL)
-        port = _free_port()
+        # MASTER_PORT is left to the program's own torch (init_process_group() hosts
+        # its store there, as under torchrun); phalanx's manager has a port of its own.
+        port, manager_port = _free_ports(2)
         world = self.config.nproc_per_replica
         group.life = f"{os.getpid()}:{group.replica_id}:{port}"
         group.procs = []
@@ -128,6 +134,7 @@ class Launcher:
                 "WORLD_SIZE": str(world),
                 "MASTER_ADDR": self.config.master_addr,
                 "MASTER_PORT": str(port),
+                "PHALANX_STORE_PORT": str(manager_port),
                 "PHALANX_LIGHTHOUSE": self.lighthouse,
                 "PHALANX_REPLICA_ID": group.replica_id,
                 "PYTHONUNBUFFERED": "1",
