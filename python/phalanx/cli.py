@@ -4,11 +4,13 @@ phalanx demo [--duration 2m] [--replicas 3] [--kill-every 15s] [--out DIR]
 phalanx lighthouse [--bind HOST:PORT] [--min-replicas N] [--join-timeout 1s]
                    [--heartbeat-timeout 2s] [--token-file FILE] [--insecure]
                    (or torchft_lighthouse's flags: --min_replicas N --join_timeout_ms MS …)
-phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT]
+phalanx run --replicas N --nproc-per-replica W [--lighthouse HOST:PORT] [--job NAME]
             [--token-file FILE] [--max-restarts K] [--chaos kill-every=15s]
+            [--snapshot-dir DIR|URL --snapshot-every 500 [--snapshot-keep 2]]
             [--as-torchft] -- train.py ARGS...
 phalanx snapshots DIR|URL [--no-verify]
 phalanx token FILE [--force]
+phalanx token FILE --job NAME [--lighthouse-token-file FILE]
 phalanx torchft-path      # export PYTHONPATH="$(phalanx torchft-path)${PYTHONPATH:+:$PYTHONPATH}"
 """
 
