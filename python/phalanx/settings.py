@@ -30,7 +30,7 @@ import torch
 
 from phalanx import _core
 from phalanx.process_group import backend_for
-from phalanx.snapshots.rank import SnapshotSettings
+from phalanx.snapshots.rank import DEFAULT_KEEP, SnapshotSettings
 from phalanx.token import resolve_token
 
 
@@ -326,21 +326,12 @@ class _Environment:
     def snapshots(self, location: Any, every: Any, keep: Any) -> SnapshotSettings | None:
         location = location if location is not None else self.get("PHALANX_SNAPSHOT_DIR")
         every = every if every is not None else self.get("PHALANX_SNAPSHOT_EVERY")
-        keep = keep if keep is not None else self.get("PHALANX_SNAPSHOT_KEEP", "2")
-        if location is None:
-            if every is not None:
-                raise ValueError(
-                    "snapshot_every without snapshot_dir: say where snapshots go "
-                    "(snapshot_dir= or PHALANX_SNAPSHOT_DIR, a directory or an fsspec URL)"
-                )
-            return None
-        if every is None:
-            raise ValueError(
-                f"snapshot_dir={location!r} without snapshot_every: say how often, in "
-                "committed steps (e.g. 500) or time (e.g. 10m): snapshot_every= or "
-                "PHALANX_SNAPSHOT_EVERY"
-            )
-        return SnapshotSettings.of(location, every, keep)
+        keep = keep if keep is not None else self.get("PHALANX_SNAPSHOT_KEEP", DEFAULT_KEEP)
+        names = (
+            "snapshot_dir (or PHALANX_SNAPSHOT_DIR)",
+            "snapshot_every (or PHALANX_SNAPSHOT_EVERY)",
+        )
+        return SnapshotSettings.given(location, every, keep, names)
 
     def device(self, given: torch.device | str | None) -> torch.device:
         text = given if given is not None else self.get("PHALANX_DEVICE")

@@ -49,7 +49,7 @@ from phalanx.demo.report import (
     summary_table,
     thin_verdict,
 )
-from phalanx.snapshots import SnapshotSettings
+from phalanx.snapshots.rank import DEFAULT_KEEP, SnapshotSettings
 
 #: Seconds the groups may take to commit their first step.
 STARTUP_TIMEOUT = 180.0
@@ -377,7 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the snapshots go (default: snapshots/ in --out)",
     )
     parser.add_argument(
-        "--snapshot-keep", type=int, default=2, metavar="K", help="snapshots kept (default: 2)"
+        "--snapshot-keep",
+        type=int,
+        default=DEFAULT_KEEP,
+        metavar="K",
+        help=f"snapshots kept (default: {DEFAULT_KEEP})",
     )
     parser.add_argument(
         "--lighthouses",

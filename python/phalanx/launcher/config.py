@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from phalanx import _core
 from phalanx.launcher.chaos import Chaos
 from phalanx.restarts import MAX_BACKOFF
-from phalanx.snapshots import SnapshotSettings
+from phalanx.snapshots.rank import DEFAULT_KEEP, SnapshotSettings
 from phalanx.token import new_token, resolve_token
 
 
@@ -66,9 +66,9 @@ class LaunchConfig:
     lighthouse: str | None = None
     #: Where the lighthouse served here listens, and its options.
     lighthouse_bind: str = "127.0.0.1:0"
-    min_replicas: int = 1
-    join_timeout: float = 1.0
-    heartbeat_timeout: float = 2.0
+    min_replicas: int = int(_core.LIGHTHOUSE_DEFAULTS["min_replicas"])
+    join_timeout: float = _core.LIGHTHOUSE_DEFAULTS["join_timeout"]
+    heartbeat_timeout: float = _core.LIGHTHOUSE_DEFAULTS["heartbeat_timeout"]
     rollback_after: float = _core.LIGHTHOUSE_DEFAULTS["rollback_after"]
     #: The group's id; with several replicas, the prefix of their ids.
     replica_id: str | None = None
@@ -182,19 +182,7 @@ def snapshot_settings(
 ) -> SnapshotSettings | None:
     """The snapshots of `--snapshot-dir/--snapshot-every/--snapshot-keep`; ValueError
     when one is given without the other."""
-    if location is None and every is None:
-        return None
-    if location is None or every is None:
-        given, missing = (
-            ("--snapshot-dir", "--snapshot-every")
-            if every is None
-            else (
-                "--snapshot-every",
-                "--snapshot-dir",
-            )
-        )
-        raise ValueError(f"{given} needs {missing} too (where snapshots go, and how often)")
-    return SnapshotSettings.of(location, every, keep)
+    return SnapshotSettings.given(location, every, keep, ("--snapshot-dir", "--snapshot-every"))
 
 
 def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
@@ -216,9 +204,9 @@ def _add_snapshot_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--snapshot-keep",
         type=int,
-        default=2,
+        default=DEFAULT_KEEP,
         metavar="K",
-        help="snapshots kept, newest first (default: 2)",
+        help=f"snapshots kept, newest first (default: {DEFAULT_KEEP})",
     )
 
 

@@ -35,6 +35,9 @@ log = logging.getLogger("phalanx.snapshots")
 
 _RESUME_KEY = "resume"
 
+#: Snapshots kept, newest first, unless told otherwise (every front's default).
+DEFAULT_KEEP = 2
+
 
 @dataclass(frozen=True)
 class SnapshotSettings:
@@ -50,17 +53,47 @@ class SnapshotSettings:
 
     location: str
     every: Every
-    keep: int = 2
+    keep: int = DEFAULT_KEEP
 
     @classmethod
-    def of(cls, location: str, every: Any, keep: Any = 2) -> SnapshotSettings:
+    def given(
+        cls, location: Any, every: Any, keep: Any, names: tuple[str, str]
+    ) -> SnapshotSettings | None:
+        """The settings of a folder and an interval that go together, as a front names
+        them (`names`: the folder's, the interval's); None when neither is given.
+
+        >>> SnapshotSettings.given(None, None, 2, ("--snapshot-dir", "--snapshot-every"))
+        >>> SnapshotSettings.given("/x", None, 2, ("--snapshot-dir", "--snapshot-every"))
+        Traceback (most recent call last):
+        ...
+        ValueError: --snapshot-dir '/x' without --snapshot-every: say how often, ...
+        """
+        folder, interval = names
+        if location is None and every is None:
+            return None
+        if every is None:
+            raise ValueError(
+                f"{folder} {location!r} without {interval}: say how often, in committed "
+                "steps (e.g. 500) or time (e.g. 10m)"
+            )
+        if location is None:
+            raise ValueError(
+                f"{interval} without {folder}: say where snapshots go (a directory or an "
+                "fsspec URL)"
+            )
+        return cls.of(location, every, keep)
+
+    @classmethod
+    def of(cls, location: str, every: Any, keep: Any = DEFAULT_KEEP) -> SnapshotSettings:
         every = every if isinstance(every, Every) else Every.parse(every)
         try:
             keep = int(keep)
         except (TypeError, ValueError):
             keep = 0
         if keep < 1:
-            raise ValueError(f"snapshot_keep={keep!r}: keep at least 1 snapshot (default 2)")
+            raise ValueError(
+                f"snapshot_keep={keep!r}: keep at least 1 snapshot (default {DEFAULT_KEEP})"
+            )
         return cls(str(location), every, keep)
 
 
