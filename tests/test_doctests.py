@@ -21,7 +21,7 @@ MODULES = [
     "phalanx.launcher.chaos",
     "phalanx.launcher.ranks",
     "phalanx.launcher.observer",
-    "phalanx.restarts",
+    "phalanx.launcher.restarts",
     "phalanx.peers",
     "phalanx.token",
     "phalanx.recovery",

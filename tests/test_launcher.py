@@ -21,8 +21,8 @@ from phalanx.launcher.chaos import Chaos
 from phalanx.launcher.config import LaunchConfig, build_parser
 from phalanx.launcher.observer import LaunchObserver
 from phalanx.launcher.ranks import rank_mode, resolve
+from phalanx.launcher.restarts import MAX_BACKOFF, CommitWatch, Exit, RestartCount, Sighting
 from phalanx.launcher.supervisor import Launcher
-from phalanx.restarts import MAX_BACKOFF, CommitWatch, Exit, RestartCount, Sighting
 
 from conftest import PROCS, TESTS, child_env, http_get, phalanx_run, write_token_file
 

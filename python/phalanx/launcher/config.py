@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from phalanx import _core
 from phalanx.launcher.chaos import Chaos
-from phalanx.restarts import MAX_BACKOFF
+from phalanx.launcher.restarts import MAX_BACKOFF
 from phalanx.snapshots.rank import DEFAULT_KEEP, SnapshotSettings
 from phalanx.token import new_token, resolve_token
 

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from phalanx.crashes import Crash, CrashLoop, CrashReader
+from phalanx.launcher.restarts import CommitWatch, Exit, RestartCount
 from phalanx.launcher.tree import signal_life
-from phalanx.restarts import CommitWatch, Exit, RestartCount
 
 
 @dataclass

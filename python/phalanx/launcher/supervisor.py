@@ -20,8 +20,7 @@ from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.group import Group
 from phalanx.launcher.observer import LaunchObserver
 from phalanx.launcher.ranks import rank_mode, resolve, torchft_alias_dir
-from phalanx.launcher.tree import LIFE_VARIABLE
-from phalanx.restarts import (
+from phalanx.launcher.restarts import (
     SIGHTING_AWAY,
     SIGHTING_EVERY,
     SIGHTING_TIMEOUT,
@@ -30,6 +29,7 @@ from phalanx.restarts import (
     RestartCount,
     Sighting,
 )
+from phalanx.launcher.tree import LIFE_VARIABLE
 
 
 @dataclass
