@@ -157,11 +157,15 @@ def committed_steps(child: Child, pids: set[int] | None = None) -> list[dict]:
 def assert_one_state_per_step(children: Iterable[Child]) -> None:
     """No step number was committed with two states, across all of `children` (I1)."""
     fingerprints: dict[int, set[str]] = {}
+    commits: dict[int, list[dict]] = {}
     for child in children:
         for r in committed_steps(child):
             fingerprints.setdefault(r["step"], set()).add(r["fingerprint"])
+            commits.setdefault(r["step"], []).append(r)
     split = {s: f for s, f in fingerprints.items() if len(f) > 1}
-    assert not split, f"steps committed with two states: {sorted(split)[:5]}"
+    fields = ("replica", "pid", "lineage", "quorum_id", "participants", "healed", "fingerprint")
+    told = [[{k: r.get(k) for k in fields} for r in commits[s]] for s in sorted(split)[:3]]
+    assert not split, f"steps committed with two states: {sorted(split)[:5]}: {told}"
 
 
 def start_lighthouse_on(host: Host, spawn: Callable[..., Child], *flags: str) -> str:
