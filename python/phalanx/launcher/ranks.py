@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from phalanx._torchft_alias.torchft import ALIAS_DIR, real_torchft, refusal
 from phalanx.forkserver import runnable
-from phalanx.forkserver.wire import environment
+from phalanx.forkserver.wire import environment, ours
 
 
 def resolve(command: list[str]) -> list[str]:
@@ -35,12 +35,18 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
     True
     >>> rank_mode([sys.executable, "-m", "train"], fork_server=False)
     (False, 'plain processes (--no-fork-server)')
+    >>> rank_mode([sys.executable, "-c", "print(1)"], fork_server=True)[1].startswith(
+    ...     f"plain processes ({sys.executable} -c is not `python -m MODULE`"
+    ... )
+    True
     """
     if not fork_server:
         return False, "plain processes (--no-fork-server)"
     if runnable(command):
         return True, f"fork server ({command[0]} is this launcher's interpreter)"
-    if os.path.realpath(command[0]) == os.path.realpath(sys.executable):
+    if os.path.realpath(command[0]) == os.path.realpath(sys.executable) and not ours(
+        command[0]
+    ):
         return False, (
             f"plain processes ({command[0]} starts in the environment "
             f"{environment(command[0])}, not in "
