@@ -1,23 +1,19 @@
-//! A heartbeat stream's beats, whichever way they come: on the stream (`BeatTask`,
-//! a task per stream) or as datagrams (`super::datagrams`, one thread for all), each
-//! taken by the stream's `BeatSink`: the group's pulse, a lease back now and then (a
-//! datagram's renewal as a datagram, every other on the stream), and what the beat
-//! reports.
+//! A heartbeat stream's beats, whichever way they come: on the stream (`heartbeat`'s
+//! `BeatTask`, a task per stream) or as datagrams (`super::datagrams`, one thread for
+//! all), each taken by the stream's `BeatSink`: the group's pulse, a lease back now and
+//! then (a datagram's renewal as a datagram, every other on the stream), and what the
+//! beat reports.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
-use tokio_util::task::AbortOnDropHandle;
 use tonic::Status;
 
-use super::datagrams::Channel;
-use super::history::Eviction;
 use super::pulse::Pulse;
-use super::service::{Inbound, Shared};
+use super::site::Shared;
 use crate::proto;
-use crate::quorum::Identity;
 use crate::validate;
 
 /// How often an unchanged lease is renewed at most. A group's lease runs from the
@@ -134,96 +130,6 @@ impl BeatSink {
         }
         self.shared.report(&self.replica_id, beat);
         Ok(lease)
-    }
-}
-
-/// A heartbeat stream after its first beat.
-pub(super) struct BeatTask {
-    pub(super) sink: Arc<BeatSink>,
-    pub(super) inbound: Inbound,
-    pub(super) stream_id: u64,
-    /// The stream's datagram channel, if it was offered one; closed with the stream.
-    pub(super) _channel: Option<Channel>,
-    /// The stream's quorum request still waiting, if any; withdrawn with the stream.
-    pub(super) _asking: Option<AbortOnDropHandle<()>>,
-}
-
-impl BeatTask {
-    /// Ends when the group's side closes or breaks, or at its first beat once it was
-    /// evicted or the lighthouse stopped (both retire the pulse, and the stream's
-    /// response ends with this task).
-    pub(super) async fn run(mut self) {
-        loop {
-            match self.inbound.message().await {
-                Ok(Some(beat)) if beat.leaving => return self.left(&beat),
-                Ok(Some(beat)) => {
-                    if !self.beat(beat) {
-                        return;
-                    }
-                }
-                Ok(None) | Err(_) => return self.closed(Eviction::StreamBroken),
-            }
-        }
-    }
-
-    /// A beat on the stream. False: the stream ends.
-    fn beat(&mut self, mut beat: proto::Beat) -> bool {
-        let sink = &self.sink;
-        let ask = beat.ask.take();
-        // An ask on its own (seq 0) is a sign of life that reports nothing else; its
-        // answer acknowledges it.
-        if beat.seq != 0 || ask.is_none() {
-            if sink.take(&beat, false).is_err() {
-                return false;
-            }
-        } else if validate::beat(&beat).is_err()
-            || !sink
-                .pulse
-                .beat(Instant::now(), beat.step, beat.last_quorum_id)
-        {
-            return false;
-        }
-        if let Some(ask) = ask {
-            let events = sink.acks().events.clone();
-            self._asking =
-                Some(
-                    sink.shared
-                        .answer_ask(&sink.replica_id, ask, beat.last_quorum_id, events),
-                );
-        }
-        true
-    }
-
-    /// The group said it is leaving, holding the state its beat names: the job's
-    /// newest, maybe, which the groups left behind must not go on without knowing of.
-    fn left(&self, beat: &proto::Beat) {
-        if validate::beat(beat).is_ok() && beat.state_quorum_id != 0 {
-            let held = Identity {
-                lineage: beat.lineage,
-                step: beat.step,
-                state_quorum_id: beat.state_quorum_id,
-            };
-            let mut st = self.sink.shared.lock();
-            st.leaves_holding(&self.sink.replica_id, self.stream_id, held, Instant::now());
-        }
-        self.closed(Eviction::Left)
-    }
-
-    /// The group's side closed or broke (it is dead), or it said it is leaving.
-    fn closed(&self, cause: Eviction) {
-        let shared = &self.sink.shared;
-        let replica_id = &self.sink.replica_id;
-        let mut st = shared.lock();
-        let now = Instant::now();
-        if let Some(cause) = st.close_stream(replica_id, self.stream_id, cause, now) {
-            shared.evicted(cause);
-            let what = match cause {
-                Eviction::Left => "replica group left: it ended its run",
-                _ => "heartbeat stream closed: replica group is dead",
-            };
-            tracing::info!(replica_id, "{what}");
-        }
-        shared.evaluate(&mut st, Instant::now());
     }
 }
 

@@ -13,7 +13,7 @@ use axum::{Json, Router};
 
 use super::access::{self, Access};
 use super::jobs::JobName;
-use super::service::Site;
+use super::site::Site;
 use crate::auth::{JobToken, AUTHORIZATION};
 use crate::door::Ticket;
 use crate::gate::Refusal;

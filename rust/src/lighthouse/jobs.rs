@@ -1,6 +1,6 @@
 //! The jobs one lighthouse serves: their names, the rules each declares, and which
 //! of them are idle long enough to be forgotten. Pure: the service holds one `Shared`
-//! per job (see `service::Site`) and asks this module what to do.
+//! per job (see `site::Site`) and asks this module what to do.
 //!
 //! A job is named by its groups, on every request to the lighthouse, in the
 //! `phalanx-job` metadata key (none: the default job, as before jobs had names); its
@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use tonic::Status;
 
-use super::Tuning;
 use crate::quorum::Identity;
 
 /// Metadata key of the job a request is for.
@@ -74,6 +73,36 @@ impl std::fmt::Display for JobName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
+}
+
+/// How a lighthouse decides quorums and liveness, apart from where it listens and who
+/// may ask. `DEFAULT` is the one declaration of the defaults: the command line
+/// (`cli::LighthouseArgs`), the Python binding (`LighthouseServer`,
+/// `LIGHTHOUSE_DEFAULTS`) and the launcher all read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Fewest replica groups that may form a quorum.
+    pub min_replicas: usize,
+    /// How long a quorum waits for a late live group.
+    pub join_timeout: Duration,
+    /// How long a connected group may stay silent before it is declared dead.
+    pub heartbeat_timeout: Duration,
+    /// How long the job waits for a group holding its newest state to come back
+    /// (after a cut, a pause) before it goes back to an older one (see `newest`).
+    pub rollback_after: Duration,
+    /// How many replica groups it is ready to serve: its connection cap and the file
+    /// descriptors it asks for follow from it (`GateLimits::lighthouse`).
+    pub max_groups: usize,
+}
+
+impl Tuning {
+    pub const DEFAULT: Tuning = Tuning {
+        min_replicas: 1,
+        join_timeout: Duration::from_secs(1),
+        heartbeat_timeout: Duration::from_secs(2),
+        rollback_after: Duration::from_secs(30),
+        max_groups: 10_000,
+    };
 }
 
 /// The quorum rules a group declares for its job; `None`: whatever the job has.

@@ -7,6 +7,7 @@ mod beat_path;
 mod beats;
 pub mod client;
 pub(crate) mod datagrams;
+mod heartbeat;
 mod history;
 mod http;
 pub mod jobs;
@@ -16,6 +17,7 @@ mod newest;
 mod pulse;
 mod service;
 pub mod set;
+mod site;
 mod snapshot;
 mod stall;
 pub mod state;
@@ -39,42 +41,11 @@ use crate::proto::lighthouse_set_server::LighthouseSetServer;
 use crate::server::{self, FramedDoor, ServerHandle};
 use crate::Error;
 use access::JobCheck;
-pub use service::JobLimits;
-use service::{LighthouseService, Site};
+pub use jobs::Tuning;
+use service::LighthouseService;
 use set::{Seat, SetOptions, SetService};
-
-/// Requests to the lighthouse are small; anything bigger is refused unread.
-const MAX_REQUEST_BYTES: usize = 64 * 1024;
-
-/// How a lighthouse decides quorums and liveness, apart from where it listens and who
-/// may ask. `DEFAULT` is the one declaration of the defaults: the command line
-/// (`cli::LighthouseArgs`), the Python binding (`LighthouseServer`,
-/// `LIGHTHOUSE_DEFAULTS`) and the launcher all read it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Tuning {
-    /// Fewest replica groups that may form a quorum.
-    pub min_replicas: usize,
-    /// How long a quorum waits for a late live group.
-    pub join_timeout: Duration,
-    /// How long a connected group may stay silent before it is declared dead.
-    pub heartbeat_timeout: Duration,
-    /// How long the job waits for a group holding its newest state to come back
-    /// (after a cut, a pause) before it goes back to an older one (see `newest`).
-    pub rollback_after: Duration,
-    /// How many replica groups it is ready to serve: its connection cap and the file
-    /// descriptors it asks for follow from it (`GateLimits::lighthouse`).
-    pub max_groups: usize,
-}
-
-impl Tuning {
-    pub const DEFAULT: Tuning = Tuning {
-        min_replicas: 1,
-        join_timeout: Duration::from_secs(1),
-        heartbeat_timeout: Duration::from_secs(2),
-        rollback_after: Duration::from_secs(30),
-        max_groups: 10_000,
-    };
-}
+pub use site::JobLimits;
+use site::{Site, MAX_REQUEST_BYTES};
 
 #[derive(Clone, Debug)]
 pub struct LighthouseOptions {

@@ -21,8 +21,9 @@ use tonic::{Code, Status};
 
 use super::access;
 use super::beat_path::DatagramPath;
+use super::heartbeat::{self, Events, Inbound};
 use super::jobs::JobRequest;
-use super::service::{Events, Inbound, Site};
+use super::site::{Site, MAX_REQUEST_BYTES};
 use crate::auth::JobToken;
 use crate::door::Guarded;
 use crate::frames::{self, FrameError, Frames, PREFACE};
@@ -110,14 +111,14 @@ impl BeatReader {
 /// Serves one framed heartbeat stream on `conn`, a connection of the lighthouse's
 /// door that opened with the preface. Its `BeatOpen` passes the token check as a
 /// gRPC call's metadata would (and proves the connection); then it is a heartbeat
-/// stream like any other (`Site::open_heartbeat`), its events written in frames,
+/// stream like any other (`heartbeat::open`), its events written in frames,
 /// every event waiting at once in one write. The door's limits still hold: an
 /// unproven connection is closed after its few seconds, a silent one after its idle
 /// time.
 pub(crate) async fn serve(conn: Guarded, site: Arc<Site>, secret: JobToken) {
     let ticket = conn.ticket().clone();
     let (read, mut write) = tokio::io::split(conn);
-    let mut reader = FrameReader::new(read, super::MAX_REQUEST_BYTES);
+    let mut reader = FrameReader::new(read, MAX_REQUEST_BYTES);
     let opened = async {
         let hello = async {
             reader.preface().await?;
@@ -141,8 +142,7 @@ pub(crate) async fn serve(conn: Guarded, site: Arc<Site>, secret: JobToken) {
         })?;
         ticket.prove();
         let beats = Inbound::Framed(BeatReader(reader));
-        site.open_heartbeat(job, ticket.peer().to_string(), beats)
-            .await
+        heartbeat::open(&site, job, ticket.peer().to_string(), beats).await
     };
     let end = match opened.await {
         Ok(events) => match send_events(events, &mut write).await {
