@@ -7,16 +7,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use tokio::io::ReadHalf;
 use tokio::sync::mpsc;
 use tokio_util::task::AbortOnDropHandle;
 use tonic::{Status, Streaming};
 
 use super::beats::{Acks, BeatSink};
-use super::datagrams::Channel;
+use super::datagrams::{Channel, Channels};
+use super::frame_reader::FrameReader;
 use super::history::Eviction;
 use super::jobs::JobRequest;
 use super::site::{refuse, Site};
-use super::wire;
+use crate::door::Guarded;
 use crate::gate::{Refusal, Refusals};
 use crate::proto;
 use crate::quorum::Identity;
@@ -26,7 +28,7 @@ use crate::validate;
 /// plain connection (`super::wire`).
 pub(crate) enum Inbound {
     Grpc(Streaming<proto::Beat>),
-    Framed(wire::BeatReader),
+    Framed(BeatReader),
 }
 
 impl Inbound {
@@ -38,17 +40,28 @@ impl Inbound {
     }
 }
 
+/// The beats of a framed stream, as the lighthouse reads them.
+pub(crate) struct BeatReader(pub(super) FrameReader<ReadHalf<Guarded>>);
+
+impl BeatReader {
+    async fn message(&mut self) -> Result<Option<proto::Beat>, Status> {
+        self.0.message().await
+    }
+}
+
 /// What the lighthouse sends on a heartbeat stream; it ends when the group is let go.
 pub(crate) type Events = mpsc::Receiver<Result<proto::LighthouseEvent, Status>>;
 
 /// Opens job `job`'s heartbeat stream of a group at `peer` on `site`: its first beat
 /// names the group and opens the stream in the state (see `first_beat`); a task of
-/// its own takes the beats that follow (see `BeatTask`).
+/// its own takes the beats that follow (see `BeatTask`). `datagrams`: the channels
+/// offered to framed streams (see `wire::serve`).
 pub(super) async fn open(
     site: &Site,
     job: JobRequest,
     peer: String,
     mut inbound: Inbound,
+    datagrams: Option<&Arc<Channels>>,
 ) -> Result<Events, Status> {
     let refusals = &site.metrics.refusals;
     let first = first_beat(refusals, &mut inbound, site.defaults.heartbeat_timeout).await?;
@@ -88,7 +101,7 @@ pub(super) async fn open(
     });
     // Only a framed stream is offered datagrams: a group that beats over gRPC is
     // one behind a proxy that passes nothing else.
-    let channel = match (site.datagrams.get(), framed) {
+    let channel = match (datagrams, framed) {
         (Some(channels), true) => {
             let (channel, offer) = channels.open(sink.clone());
             sink.acks().offer = Some(offer);

@@ -7,6 +7,7 @@ mod beat_path;
 mod beats;
 pub mod client;
 pub(crate) mod datagrams;
+mod frame_reader;
 mod heartbeat;
 mod history;
 mod http;
@@ -41,6 +42,7 @@ use crate::proto::lighthouse_set_server::LighthouseSetServer;
 use crate::server::{self, FramedDoor, ServerHandle};
 use crate::Error;
 use access::JobCheck;
+use datagrams::Channels;
 pub use jobs::Tuning;
 use service::LighthouseService;
 use set::{Seat, SetOptions, SetService};
@@ -157,20 +159,25 @@ fn check_exposure(options: &LighthouseOptions, bound: SocketAddr) -> Result<(), 
 }
 
 /// Reads beats as datagrams on UDP `bound` (the TCP listener's address and port),
-/// and offers them to framed streams from now on. A port some other program holds
+/// and returns the channels to offer framed streams. A port some other program holds
 /// costs the offer, never the lighthouse: its groups beat on their streams.
-fn take_datagrams(site: &Site, bound: SocketAddr, shutdown: watch::Receiver<bool>) {
+fn take_datagrams(
+    site: &Site,
+    bound: SocketAddr,
+    shutdown: watch::Receiver<bool>,
+) -> Option<Arc<Channels>> {
     let channels = datagrams::Channels::new(&site.metrics);
     let reading = datagrams::bind(bound)
         .and_then(|socket| datagrams::spawn_reader(socket, channels.clone(), shutdown));
     match reading {
-        Ok(_) => {
-            let _ = site.datagrams.set(channels);
+        Ok(_) => Some(channels),
+        Err(e) => {
+            tracing::warn!(
+                "no heartbeat datagrams on UDP {bound}: {e}; groups beat on their streams \
+                 (free the UDP port, or give --no-datagrams to say so)"
+            );
+            None
         }
-        Err(e) => tracing::warn!(
-            "no heartbeat datagrams on UDP {bound}: {e}; groups beat on their streams \
-             (free the UDP port, or give --no-datagrams to say so)"
-        ),
     }
 }
 
@@ -200,9 +207,11 @@ pub async fn serve_in_set(
         max_groups: options.connections.max_connections,
     };
     let site = Site::new(defaults, options.jobs, shutdown_rx.clone());
-    if options.datagrams {
-        take_datagrams(&site, bound, shutdown_rx.clone());
-    }
+    let datagrams = if options.datagrams {
+        take_datagrams(&site, bound, shutdown_rx.clone())
+    } else {
+        None
+    };
     let grpc = LighthouseServer::new(LighthouseService { site: site.clone() })
         .max_decoding_message_size(MAX_REQUEST_BYTES);
     let grpc = InterceptedService::new(grpc, JobCheck(options.token.clone()));
@@ -231,7 +240,8 @@ pub async fn serve_in_set(
     let framed: FramedDoor = {
         let (site, token) = (site.clone(), options.token.clone());
         Arc::new(move |conn| {
-            tokio::spawn(wire::serve(conn, site.clone(), token.clone()));
+            let serving = wire::serve(conn, site.clone(), datagrams.clone(), token.clone());
+            tokio::spawn(serving);
         })
     };
     let mut handle = server::spawn(

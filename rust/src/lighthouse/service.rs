@@ -61,7 +61,7 @@ impl Lighthouse for LighthouseService {
             .map_or_else(|| "unknown".to_string(), |t| t.peer().to_string());
         let job = job_of(&request);
         let inbound = Inbound::Grpc(request.into_inner());
-        let events = heartbeat::open(&self.site, job, peer, inbound).await?;
+        let events = heartbeat::open(&self.site, job, peer, inbound, None).await?;
         Ok(Response::new(Box::pin(ReceiverStream::new(events))))
     }
 

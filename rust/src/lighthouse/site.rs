@@ -18,7 +18,6 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_util::task::AbortOnDropHandle;
 use tonic::Status;
 
-use super::datagrams::Channels;
 use super::history::Eviction;
 use super::jobs::{judge_idle, Idle, JobName, JobRequest, Tuning};
 use super::leadership::quorum_id_floor;
@@ -46,9 +45,6 @@ pub(crate) struct Site {
     /// This lighthouse's place in a set; unset for a lighthouse on its own.
     pub(crate) seat: Arc<OnceLock<Arc<Seat>>>,
     shutdown: watch::Receiver<bool>,
-    /// The datagram channels of the framed streams; None: beats come on the streams
-    /// only (`--no-datagrams`, or the UDP port was taken).
-    pub(crate) datagrams: OnceLock<Arc<Channels>>,
 }
 
 /// How many jobs a lighthouse serves at once, and when it forgets one.
@@ -85,7 +81,6 @@ impl Site {
             started: Instant::now(),
             seat: Arc::new(OnceLock::new()),
             shutdown,
-            datagrams: OnceLock::new(),
         });
         site.job(&JobRequest::default())
             .expect("the default job's rules are the lighthouse's");

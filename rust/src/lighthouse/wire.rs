@@ -10,8 +10,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use prost::Message;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWriteExt, WriteHalf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -21,92 +20,18 @@ use tonic::{Code, Status};
 
 use super::access;
 use super::beat_path::DatagramPath;
-use super::heartbeat::{self, Events, Inbound};
+use super::datagrams::Channels;
+use super::frame_reader::{FrameReader, READ_AHEAD};
+use super::heartbeat::{self, BeatReader, Events, Inbound};
 use super::jobs::JobRequest;
 use super::site::{Site, MAX_REQUEST_BYTES};
 use crate::auth::JobToken;
 use crate::door::Guarded;
-use crate::frames::{self, FrameError, Frames, PREFACE};
+use crate::frames::{self, PREFACE};
 use crate::gate::Refusal;
 use crate::proto::{self, lighthouse_event::Event, LEADER_KEY};
 use crate::transport::MAX_RESPONSE_BYTES;
 use crate::Error;
-
-/// Reads are at least this large: a read takes every beat that arrived meanwhile.
-const READ_AHEAD: usize = 8 * 1024;
-
-/// Messages in frames from one end of a connection.
-struct FrameReader<R> {
-    io: R,
-    read: BytesMut,
-    frames: Frames,
-}
-
-impl<R: AsyncRead + Unpin> FrameReader<R> {
-    fn new(io: R, max: usize) -> Self {
-        FrameReader {
-            io,
-            read: BytesMut::with_capacity(READ_AHEAD),
-            frames: Frames { max },
-        }
-    }
-
-    /// Reads more; false at the end of the connection.
-    async fn fill(&mut self) -> Result<bool, Status> {
-        if self.read.capacity() - self.read.len() < READ_AHEAD / 2 {
-            self.read.reserve(READ_AHEAD);
-        }
-        match self.io.read_buf(&mut self.read).await {
-            Ok(n) => Ok(n > 0),
-            Err(e) => Err(lost(&e)),
-        }
-    }
-
-    async fn preface(&mut self) -> Result<(), Status> {
-        while !Frames::preface(&mut self.read).map_err(refused)? {
-            if !self.fill().await? {
-                return Err(Status::invalid_argument(
-                    "the connection closed in its preface",
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The next message; None at the end of the connection between frames.
-    async fn message<M: Message + Default>(&mut self) -> Result<Option<M>, Status> {
-        loop {
-            if let Some(bytes) = self.frames.next(&mut self.read).map_err(refused)? {
-                return M::decode(bytes)
-                    .map(Some)
-                    .map_err(|e| Status::invalid_argument(format!("a malformed frame: {e}")));
-            }
-            if !self.fill().await? {
-                if self.read.is_empty() {
-                    return Ok(None);
-                }
-                return Err(Status::unavailable("the connection closed inside a frame"));
-            }
-        }
-    }
-}
-
-fn refused(e: FrameError) -> Status {
-    Status::invalid_argument(e.to_string())
-}
-
-fn lost(e: &io::Error) -> Status {
-    Status::unavailable(format!("the heartbeat connection broke: {e}"))
-}
-
-/// The beats of a framed stream, as the lighthouse reads them.
-pub(crate) struct BeatReader(FrameReader<ReadHalf<Guarded>>);
-
-impl BeatReader {
-    pub(crate) async fn message(&mut self) -> Result<Option<proto::Beat>, Status> {
-        self.0.message().await
-    }
-}
 
 /// Serves one framed heartbeat stream on `conn`, a connection of the lighthouse's
 /// door that opened with the preface. Its `BeatOpen` passes the token check as a
@@ -114,8 +39,14 @@ impl BeatReader {
 /// stream like any other (`heartbeat::open`), its events written in frames,
 /// every event waiting at once in one write. The door's limits still hold: an
 /// unproven connection is closed after its few seconds, a silent one after its idle
-/// time.
-pub(crate) async fn serve(conn: Guarded, site: Arc<Site>, secret: JobToken) {
+/// time. `datagrams`: the datagram channels offered to framed streams; None: beats
+/// come on the streams only (`--no-datagrams`, or the UDP port was taken).
+pub(crate) async fn serve(
+    conn: Guarded,
+    site: Arc<Site>,
+    datagrams: Option<Arc<Channels>>,
+    secret: JobToken,
+) {
     let ticket = conn.ticket().clone();
     let (read, mut write) = tokio::io::split(conn);
     let mut reader = FrameReader::new(read, MAX_REQUEST_BYTES);
@@ -142,7 +73,8 @@ pub(crate) async fn serve(conn: Guarded, site: Arc<Site>, secret: JobToken) {
         })?;
         ticket.prove();
         let beats = Inbound::Framed(BeatReader(reader));
-        heartbeat::open(&site, job, ticket.peer().to_string(), beats).await
+        let peer = ticket.peer().to_string();
+        heartbeat::open(&site, job, peer, beats, datagrams.as_ref()).await
     };
     let end = match opened.await {
         Ok(events) => match send_events(events, &mut write).await {
