@@ -11,6 +11,9 @@ mod error;
 pub mod fdlimit;
 pub mod frames;
 pub mod gate;
+/// Files import downward only, never in a circle: a test that reads the whole crate.
+#[cfg(test)]
+mod layers;
 pub mod lighthouse;
 /// Load generators for the benchmarks (`phalanx._core._testing`).
 #[cfg(feature = "testing")]
