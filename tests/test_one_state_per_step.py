@@ -46,12 +46,17 @@ def start_rank(spawn: Callable[..., Child], lighthouse: str, replica_id: str, *o
 
 
 def start_three(
-    spawn: Callable[..., Child], lighthouse: str, *c_options: str, c_lighthouse: str = ""
+    spawn: Callable[..., Child],
+    lighthouse: str,
+    *c_options: str,
+    c_lighthouse: str = "",
+    peers: tuple[str, ...] = (),
 ) -> tuple[Child, Child, Child]:
-    """Groups a and b, which train until the test ends, and c with `c_options`, which
-    reaches the lighthouse at `c_lighthouse` (a relay) where given."""
-    a = start_rank(spawn, lighthouse, "a", *TRAIN_ON)
-    b = start_rank(spawn, lighthouse, "b", *TRAIN_ON)
+    """Groups a and b, which train until the test ends (with `peers` options), and c
+    with `c_options`, which reaches the lighthouse at `c_lighthouse` (a relay) where
+    given."""
+    a = start_rank(spawn, lighthouse, "a", *TRAIN_ON, *peers)
+    b = start_rank(spawn, lighthouse, "b", *TRAIN_ON, *peers)
     c = start_rank(spawn, c_lighthouse or lighthouse, "c", *c_options)
     return a, b, c
 
@@ -102,6 +107,35 @@ def test_a_group_paused_past_the_heartbeat_timeout_never_splits_a_step(spawn, li
     c.expect(lambda line: line.get("committed") and line["after"] > at + 3, 60, "c heals")
     trains_with_all(c, after=at + 10)
     assert assert_bit_identical([a, b, c]) >= 10
+
+
+@pytest.mark.slow
+def test_peers_that_failed_a_step_wait_for_the_late_member_that_committed_it(spawn, lighthouse):
+    """a and b fail a step (their votes say no) that c commits; c then computes for 2 s
+    before it asks again, far past the straggler bound of a and b's quick re-ask. A
+    quorum of a and b alone would commit that step a second time, with other data: they
+    must wait for c and heal from it."""
+    a, b, c = start_three(
+        spawn,
+        lighthouse.address,
+        *("--hold-at", str(PAUSE_AT), "--hold-after-vote", "--busy-for", "2"),
+        *WITH_ALL_THREE,
+        *TRAIN_ON,
+        peers=("--fail-at", str(PAUSE_AT), *WITH_ALL_THREE),
+    )
+    held = c.expect(lambda line: line.get("event") == "holding", 60, "c commits, then computes")
+    for peer in (a, b):
+        failed = peer.expect(
+            lambda line: line.get("event") == "step" and "--fail-at" in (line["failure"] or ""),
+            60,
+            f"{peer.name} fails its step",
+        )
+        assert failed["step"] == held["step"], (failed, held)
+        # It heals to c's state, after the step it failed, and commits the step after.
+        healed = peer.expect(lambda line: line.get("committed"), 60, f"{peer.name} goes on")
+        assert healed["after"] == failed["step"] + 2, f"{peer.name} went on without c: {healed}"
+    trains_with_all(c, after=held["step"] + 3)
+    assert assert_bit_identical([a, b, c]) >= 3
 
 
 @pytest.mark.slow

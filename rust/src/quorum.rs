@@ -22,7 +22,10 @@
 //!   next round, heals there, and misses the round after while it heals, so a job of
 //!   many groups would split into cohorts that leapfrog, each averaging few groups'
 //!   gradients. A hung member stops progressing and a straggler runs past the bound,
-//!   and both are left out;
+//!   and both are left out. After a member that asks failed the previous quorum's
+//!   step there is no straggler bound: a late member may have committed the step the
+//!   asker failed, and a quorum without it would commit that step again with other
+//!   data; it is waited for while it progresses, and the asker heals from it;
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
 //!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
@@ -520,7 +523,22 @@ pub fn decide(round: &Round<'_>) -> Decision {
     // first late member on its way would stop counting as such, unless its beats
     // report progress again.
     let issued = previous_at.unwrap_or(first_join);
-    let straggler = straggler_at(first_rejoin, issued, config.join_timeout);
+    // A member that failed the previous quorum's step cannot tell whether its peers
+    // committed it (a collective can complete on one side only, a lease can settle on
+    // one side only): a late member may hold that very step. Going on without it would
+    // commit the step a second time, with other data; waiting lets the failed member
+    // heal from it. So after a failed step, a member on its way is no straggler: it is
+    // waited for while it progresses, within the bound on late members.
+    let failed_step = previous.is_some_and(|prev| {
+        joined
+            .iter()
+            .any(|j| j.member.commit_failures > 0 && prev.contains(&j.member.replica_id))
+    });
+    let straggler = if failed_step {
+        late_expiry
+    } else {
+        straggler_at(first_rejoin, issued, config.join_timeout)
+    };
     let on_their_way = (now < straggler)
         .then(|| {
             late.iter()
@@ -977,6 +995,45 @@ mod tests {
         );
         s.progressed_at("c", 5999);
         assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
+    }
+
+    #[test]
+    fn after_a_failed_step_a_member_on_its_way_is_waited_for_past_the_straggler_bound() {
+        // a and b failed the step of the quorum issued at 0; c, late, may have
+        // committed it (its collective completed, theirs did not).
+        let mut s = c_late_after_a_3_s_step();
+        for id in ["a", "b"] {
+            let failed = Member {
+                commit_failures: 1,
+                ..member(id)
+            };
+            s.join_member(failed, 3000);
+        }
+        s.progressed_at("c", 5999);
+        assert!(
+            matches!(
+                s.decide_at(6100),
+                Decision::Wait {
+                    reason: WaitReason::MembersOnTheirWay { .. },
+                    ..
+                }
+            ),
+            "a and b would commit c's step again without it"
+        );
+        s.join_at("c", 6500);
+        assert_eq!(ids(&s.issue_at(6500)), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn after_a_failed_step_a_hung_member_is_still_left_out() {
+        let mut s = c_late_after_a_3_s_step();
+        let failed = Member {
+            commit_failures: 1,
+            ..member("a")
+        };
+        s.join_member(failed, 3000);
+        s.progressed_at("c", 3200);
+        assert_eq!(ids(&s.issue_at(4200)), ["a", "b"]);
     }
 
     #[test]

@@ -22,19 +22,25 @@ its progress reporter has reported (so its last report says it waits). With
 `--hold-after-vote` it holds after its vote instead, before it asks for the next
 quorum (nobody waits on it then).
 `--hold-in-heal` holds the training thread the same way inside its first heal, as it
-loads the state it fetched.
+loads the state it fetched. `--busy-for SECONDS` makes a hold run Python code that
+long instead, forward passes of its model (its stack moves: progress, not a hang), and
+go on by itself.
+`--fail-at STEP` makes the rank fail its own step once (`report_error`, so its vote is
+"no"), at the first step from STEP on whose quorum has `--pause-participants` groups.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import signal
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -86,10 +92,19 @@ class Pause:
             print(json.dumps({"event": "pausing", "phase": phase, "step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def held(self, step: int, *, gil: bool = False, in_wait: bool = False) -> None:
+    def held(
+        self,
+        step: int,
+        *,
+        gil: bool = False,
+        in_wait: bool = False,
+        work: Callable[[], object] | None = None,
+        busy: float = 0.0,
+    ) -> None:
         """Holds the training thread (only) until SIGUSR1, once; or, with `gil`, for
         60 s in a C call that keeps the GIL, which freezes every Python thread; with
-        `in_wait` too, inside a 60 s wait that has been reported."""
+        `in_wait` too, inside a 60 s wait that has been reported; with `work`, calling
+        it for `busy` seconds (a slow step, which the progress reporter sees move)."""
         self.phase = None
         if in_wait:
             progress = self.manager._rank.progress
@@ -98,7 +113,12 @@ class Pause:
                 self.held(step, gil=gil)
             return
         print(json.dumps({"event": "holding", "step": step}), flush=True)
-        if gil:
+        if work is not None:
+            until = time.monotonic() + busy
+            with torch.no_grad():
+                while time.monotonic() < until:
+                    work()
+        elif gil:
             ctypes.PyDLL(None).sleep(60)
         else:
             signal.sigtimedwait([signal.SIGUSR1], 60)
@@ -180,6 +200,8 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="hold the training thread inside its first heal (loading the fetched state)",
     )
+    parser.add_argument("--busy-for", type=float, default=0.0)
+    parser.add_argument("--fail-at", type=int, default=-1)
     parser.add_argument("--pause-participants", type=int, default=1)
     parser.add_argument(
         "--first-heal-timeout",
@@ -207,6 +229,7 @@ def main() -> None:
     pause = Pause(manager, args.pause_at, args.pause_phase, args.pause_participants)
     hold_phase = "after_vote" if args.hold_after_vote else "before_backward"
     hold = Pause(manager, args.hold_at, hold_phase, args.pause_participants, stops=False)
+    fail = Pause(manager, args.fail_at, "fail", args.pause_participants, stops=False)
     timeouts = manager.timeouts
     if args.first_heal_timeout is not None:
         manager.timeouts = replace(timeouts, heal=args.first_heal_timeout)
@@ -239,6 +262,9 @@ def main() -> None:
             hold.held(step, gil=args.hold_gil, in_wait=args.in_wait)
         loss.backward()
         pause.at("in_allreduce", step)
+        if fail.phase and fail.due(step):
+            fail.phase = None
+            manager.report_error("the test fails this step (--fail-at)")
         committed = optimizer.step()
         if manager.last_step.healed or "heal" in (manager.failure or ""):
             manager.timeouts = timeouts  # the first heal is over, one way or the other
@@ -246,7 +272,8 @@ def main() -> None:
         if hold.phase == "after_vote" and committed and hold.due(step):
             # Voted, and not yet asking for the next quorum: nobody waits on it, and the
             # next quorum goes on without it after the lighthouse's join timeout.
-            hold.held(step)
+            forward = functools.partial(model, x) if args.busy_for else None
+            hold.held(step, work=forward, busy=args.busy_for)
         time.sleep(args.step_sleep)
     manager.shutdown()
     print(json.dumps({"event": "done", "step": manager.current_step()}), flush=True)
