@@ -44,9 +44,7 @@ def rank_mode(command: list[str], fork_server: bool) -> tuple[bool, str]:
         return False, "plain processes (--no-fork-server)"
     if runnable(command):
         return True, f"fork server ({command[0]} is this launcher's interpreter)"
-    if os.path.realpath(command[0]) == os.path.realpath(sys.executable) and not ours(
-        command[0]
-    ):
+    if os.path.realpath(command[0]) == os.path.realpath(sys.executable) and not ours(command[0]):
         return False, (
             f"plain processes ({command[0]} starts in the environment "
             f"{environment(command[0])}, not in "
