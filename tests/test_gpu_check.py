@@ -32,7 +32,12 @@ from conftest import child_env
 
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
 sys.path.insert(0, str(BENCHES))
-import gpu_check  # noqa: E402  (a bench, found beside its harness)
+# benches/gpu_check.py and its phases' modules, found beside their harness.
+import gpu_chaos  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_heal  # noqa: E402
+import gpu_phase  # noqa: E402
+import gpu_step  # noqa: E402
 
 
 class StandInNcclGroup:
@@ -85,7 +90,7 @@ def test_cuda_takes_the_nccl_path():
         )
         assert settings.backend == "nccl"
     # The check's ranks train the demo's model on the GPU.
-    command = gpu_check.chaos_command(Path("/tmp/pg"))
+    command = gpu_chaos.chaos_command(Path("/tmp/pg"))
     assert command[command.index("--device") + 1] == "cuda"
     assert command[command.index("--") + 1 :][:2] == ("--device", "cuda")
 
@@ -154,7 +159,7 @@ def test_a_gloo_group_is_not_aborted():
 
 def test_the_timers_log_builds_aborts_and_first_collectives(tmp_path):
     built: list[StandInNcclGroup] = []
-    undo = gpu_check.instrument(tmp_path)
+    undo = gpu_chaos.instrument(tmp_path)
     try:
         pg = FaultTolerantProcessGroup(timeout=1.0, connect=stand_in_connect(built))
         pg.configure(MEMBERSHIP, "nccl")
@@ -166,7 +171,7 @@ def test_the_timers_log_builds_aborts_and_first_collectives(tmp_path):
         retired()
     finally:
         undo()
-    records = gpu_check.read_pg_logs(tmp_path)
+    records = gpu_chaos.read_pg_logs(tmp_path)
     assert [r["what"] for r in records] == ["build", "first-collective", "abort"]
     assert records[0]["backend"] == "nccl" and records[0]["world"] == 3
     assert records[2]["backend"] == "nccl"
@@ -176,10 +181,10 @@ def test_the_timers_log_builds_aborts_and_first_collectives(tmp_path):
 
 
 def test_each_group_gets_an_nccl_host_id_of_its_own():
-    ids = {gpu_check.nccl_environ(i, {})["NCCL_HOSTID"] for i in range(3)}
+    ids = {gpu_phase.nccl_environ(i, {})["NCCL_HOSTID"] for i in range(3)}
     assert len(ids) == 3
     given = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_HOSTID": "mine"}
-    chosen = gpu_check.nccl_environ(1, given)
+    chosen = gpu_phase.nccl_environ(1, given)
     assert chosen["NCCL_SOCKET_IFNAME"] == "eth0"  # the user's choice is kept
     assert chosen["NCCL_HOSTID"] == "phalanx-gpu-check-1"  # never shared by groups
 
@@ -257,7 +262,7 @@ def test_a_phase_short_of_time_says_why_without_starting_anything(tmp_path):
     args, _ = gpu_check.parse(["--out", str(tmp_path)])
     args.accel = "cuda"
     for name in gpu_check.PHASES:
-        phase = gpu_check.run_phase(name, args, gpu_check.Deadline(5.0))
+        phase = gpu_check.run_phase(name, args, gpu_phase.Deadline(5.0))
         assert not phase.ok
         assert "--time-limit" in phase.reason, phase.reason
     assert not list(tmp_path.iterdir())
@@ -288,7 +293,7 @@ def test_the_table_and_the_json(capsys):
     assert result["phases"]["step"]["ratio"] == {"median": 1.1, "min": 1.0, "max": 1.2}
     assert gpu_check.exit_status(result) == 0
     # A failed phase is named with its reason; diverged replicas exit 3.
-    failed = gpu_check.Phase("heal", False, 1.0, reason="the cuda heal source exited with 1")
+    failed = gpu_phase.Phase("heal", False, 1.0, reason="the cuda heal source exited with 1")
     rows, result = gpu_check.summary(probe, [phases[0], failed])
     assert ("heal (1 s)", "FAILED: the cuda heal source exited with 1") in rows
     assert gpu_check.exit_status(result) == 1
@@ -304,8 +309,9 @@ def test_an_unplanned_exit_fails_the_chaos_phase():
 
 
 def test_doctests():
-    failed, _ = doctest.testmod(gpu_check)
-    assert failed == 0
+    for module in (gpu_check, gpu_phase, gpu_chaos, gpu_heal, gpu_step):
+        failed, _ = doctest.testmod(module)
+        assert failed == 0, module.__name__
 
 
 # -- a chaos run, a heal and a step phase, made up ------------------------------------
@@ -364,7 +370,7 @@ def _steps() -> list[dict]:
     return steps
 
 
-def _chaos(events: list[dict]) -> gpu_check.Phase:
+def _chaos(events: list[dict]) -> gpu_phase.Phase:
     from phalanx.demo.report import analyze
 
     steps = _steps()
@@ -372,26 +378,26 @@ def _chaos(events: list[dict]) -> gpu_check.Phase:
     pg = [{"t": 100.95, "what": "abort", "s": 0.01, "replica": r} for r in "bc"] + [
         {"t": 101.0, "what": "build", "s": 0.02, "replica": r} for r in "bc"
     ]
-    pairs = gpu_check.rebuilds(events, pg, steps)
-    return gpu_check.chaos_result(
-        got, pairs, gpu_check.unplanned_exits(events), steps, duration=4.0
+    pairs = gpu_chaos.rebuilds(events, pg, steps)
+    return gpu_chaos.chaos_result(
+        got, pairs, gpu_chaos.unplanned_exits(events), steps, duration=4.0
     )
 
 
-def chaos_phase() -> gpu_check.Phase:
+def chaos_phase() -> gpu_phase.Phase:
     return _chaos(_events())
 
 
-def heal_phase() -> gpu_check.Phase:
+def heal_phase() -> gpu_phase.Phase:
     run = {"bytes": 2 * 10**9, "tensors": 385, "in_place": 385}
     runs = {
         "gpu": [{**run, "seconds": 0.5}, {**run, "seconds": 1.0}],
         "cpu": [{**run, "seconds": 1.0}, {**run, "seconds": 2.0}],
     }
     staged = {"alloc_s": 0.3, "d2h_s": 0.1, "h2d_s": 0.05, "bytes": 2 * 10**9}
-    return gpu_check.heal_result(runs, 2048.0, 0.4, {"pinned-block": staged})
+    return gpu_heal.heal_result(runs, 2048.0, 0.4, {"pinned-block": staged})
 
 
-def step_phase() -> gpu_check.Phase:
+def step_phase() -> gpu_phase.Phase:
     rounds = [((10.0, 5.0), (10.0, 5.0)), ((10.0, 5.0), (12.0, 6.0)), ((10.0, 5.0), (11.0, 5.5))]
-    return gpu_check.step_result(rounds, params=4_200_000, steps=100)
+    return gpu_step.step_result(rounds, params=4_200_000, steps=100)
