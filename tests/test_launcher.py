@@ -715,6 +715,23 @@ def test_a_sighting_reads_the_group_and_its_quorum_peers_from_a_status():
     assert Sighting.of(status, "g3") == Sighting("h3:1", False, 90, peers_step=41)
 
 
+def test_the_loop_wakes_when_chaos_is_due_and_keeps_its_rate():
+    config = LaunchConfig(
+        command=(sys.executable, "-c", "pass"), fork_server=False, chaos=Chaos(kill_every=0.02)
+    )
+    launcher = Launcher(config, "t0k3n", observer=Recorder())
+    assert launcher._wait(0.0) == 0.1, "no clock before the job trains"
+    launcher.inject(100.0)  # the clocks start; no group is live, so nobody dies
+    assert launcher.injector.next_due(launcher.groups) == pytest.approx(100.02)
+    assert launcher._wait(100.005) == pytest.approx(0.015)
+    # A late look keeps the rate (100.04, not 100.045); one far behind starts again.
+    launcher.inject(100.025)
+    assert launcher.injector.next_kill == pytest.approx(100.04)
+    launcher.inject(103.0)
+    assert launcher.injector.next_kill == pytest.approx(103.02)
+    assert launcher._wait(104.0) == 0.0
+
+
 def test_chaos_kills_no_group_once_one_has_finished():
     # A job that is ending: the group still running may be the last one holding the
     # state, and killing it would start the job over at step 0 (a new lineage).

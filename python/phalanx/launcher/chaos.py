@@ -68,6 +68,19 @@ class Chaos:
         return cls(**given)
 
 
+def _next(due: float, every: float, now: float) -> float:
+    """The time after `due` of a failure every `every` seconds, as clocked from the
+    first: a loop a little late does not slow the rate down. One that fell more than
+    a period behind (the launcher was busy stopping a group) starts the clock again
+    rather than fire the failures it owes in a burst.
+
+    >>> _next(10.0, 0.5, now=10.1), _next(10.0, 0.5, now=12.0)
+    (10.5, 12.5)
+    """
+    following = due + every
+    return following if following > now else now + every
+
+
 class Injector:
     """Where and when the failures of `chaos` fall: on live groups drawn at random
     from `seed`, each kind on its own clock."""
@@ -102,7 +115,7 @@ class Injector:
                 self.resume_due(now, groups)
                 return
         if self.chaos.kill_every and now >= self.next_kill:
-            self.next_kill = now + self.chaos.kill_every
+            self.next_kill = _next(self.next_kill, self.chaos.kill_every, now)
             if live:
                 victim = self.rng.choice(live)
                 self.observer.say(f"chaos: SIGKILL {victim.replica_id}")
@@ -110,7 +123,7 @@ class Injector:
                 victim.signal(signal.SIGKILL)
                 self.observer.group_event("kill", victim)
         if self.chaos.hang_every and now >= self.next_hang:
-            self.next_hang = now + self.chaos.hang_every
+            self.next_hang = _next(self.next_hang, self.chaos.hang_every, now)
             if live:
                 victim = self.rng.choice(live)
                 victim.stopped_until = now + self.chaos.hang_for
@@ -139,6 +152,19 @@ class Injector:
                     os.kill(victim.procs[rank].pid, watchdog.CHAOS_SIGNAL)
                 self.observer.group_event("hang-thread", victim)
         self.resume_due(now, groups)
+
+    def next_due(self, groups: list[Group]) -> float | None:
+        """When the next failure, or SIGCONT of one of `groups`, is due (None: none is
+        scheduled, or the clocks have not started): the launcher's loop wakes for it,
+        so that a failure every 20 ms comes every 20 ms."""
+        times = [
+            self.next_kill if self.chaos.kill_every else None,
+            self.next_hang if self.chaos.hang_every else None,
+            self.next_thread_hang if self.chaos.hang_thread_every else None,
+            self.next_kill_all if self.chaos.kill_all_every else None,
+            *(g.stopped_until for g in groups),
+        ]
+        return min((t for t in times if t is not None), default=None)
 
     def resume_due(self, now: float, groups: list[Group]) -> None:
         """SIGCONT to each group whose SIGSTOP has lasted its `hang_for`."""

@@ -386,7 +386,7 @@ class Launcher:
         start = time.monotonic()
         trains_since: float | None = None
         while not self.stopping:
-            self.drain(0.1)
+            self.drain(self._wait(time.monotonic()))
             now = time.monotonic()
             if trains_since is None and self.observer.trains():
                 trains_since = now
@@ -405,6 +405,12 @@ class Launcher:
             if trains_since is not None and now < end - chaos_quiet:
                 self.inject(now)
         return False
+
+    def _wait(self, now: float) -> float:
+        """How long the loop may wait for output: a tenth of a second, less when a
+        failure of the chaos is due sooner."""
+        due = self.injector.next_due(self.groups)
+        return 0.1 if due is None else min(0.1, max(0.0, due - now))
 
     def _shut_down(self) -> None:
         for group in self.groups:
