@@ -39,6 +39,7 @@ MODULES = [
     "phalanx.demo.report.figure",
     "phalanx.demo.job",
     "phalanx.demo.lighthouses",
+    "phalanx.demo.regime",
     "phalanx.torchft.manager",
     "phalanx.torchft.process_group",
     "phalanx.torchft.data",

@@ -36,6 +36,7 @@ from typing import Any
 
 from phalanx import launcher
 from phalanx.crashes import CrashLoop
+from phalanx.demo import regime
 from phalanx.demo.display import Progress
 from phalanx.demo.lighthouses import LighthouseSet
 from phalanx.demo.report import (
@@ -154,8 +155,27 @@ class DemoJob(launcher.LaunchObserver):
     """Watches the launcher's groups: every step line of a rank goes to the step log
     and the live display, every other line to `ranks.log`."""
 
-    def __init__(self, replicas: int, out: Path, progress: Progress):
+    def __init__(
+        self,
+        replicas: int,
+        out: Path,
+        progress: Progress,
+        *,
+        seed_regime: float | None = None,
+        steps: int | None = None,
+    ):
         self.replicas = replicas
+        #: --seed-regime: a failure every that many healthy steps, once they are timed.
+        self.seed_regime = seed_regime
+        self.healthy_step_s: float | None = None
+        #: Starts the failures, a SIGKILL every so many seconds (the launcher's chaos).
+        self.pace: Callable[[float], None] | None = None
+        #: When, and at which job step, the failures started (the training, without them).
+        self.failures_from: float | None = None
+        self.failures_from_step = 0
+        #: --steps: the job steps to train (from the first failure, in the seed regime).
+        self.steps_wanted = steps
+        self._newest_step = -1
         self.out = out
         self.progress = progress
         self.steps: list[dict[str, Any]] = []
@@ -268,11 +288,41 @@ class DemoJob(launcher.LaunchObserver):
         return f"{t - self.trained_from:6.1f}s"
 
     def trains(self) -> bool:
-        # The demo's time and its failures count from the first committed step.
-        return bool(self._latest)
+        # The demo's time and its failures count from the first committed step; in the
+        # seed regime, from the end of the healthy steps it is paced by.
+        return bool(self._latest) and (self.seed_regime is None or self.failures_from is not None)
+
+    def finished(self) -> bool:
+        if self.steps_wanted is None or not self.trains():
+            return False
+        return self._newest_step >= self.failures_from_step + self.steps_wanted
+
+    def _pace_failures(self, record: dict[str, Any]) -> None:
+        """In the seed regime, once the healthy step time is known: the failures start,
+        one every `seed_regime` of those steps."""
+        if self.seed_regime is None or self.failures_from is not None:
+            return
+        if record.get("participants") != self.replicas:
+            return
+        step_s = regime.healthy_step_time(self.steps, self.replicas)
+        if step_s is None:
+            return
+        self.healthy_step_s = step_s
+        every = self.seed_regime * step_s
+        if self.pace is not None:
+            self.pace(every)
+        self.failures_from, self.failures_from_step = record["t_end"], self._newest_step
+        self.progress.event(
+            f"{self._clock(record['t_end'])}  healthy step {step_s:.3f} s (median of "
+            f"{regime.MEASURED_STEPS} steps of all {self.replicas} groups): a SIGKILL every "
+            f"{self.seed_regime:g} steps, {every:.2f} s, from step {self._newest_step}"
+        )
 
     def _step(self, record: dict[str, Any]) -> None:
         self.steps.append(record)
+        if record["committed"]:
+            self._newest_step = max(self._newest_step, record["step"])
+        self._pace_failures(record)
         if record["rank"] == 0:
             self._attempted += 1
             self._committed += record["committed"]
@@ -347,10 +397,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="training time, from the first step: 2m, 90s",
     )
-    parser.add_argument("--replicas", type=int, default=3, help="replica groups")
+    parser.add_argument(
+        "--replicas", type=int, help="replica groups (default: 3; 30 with --seed-regime)"
+    )
     parser.add_argument("--nproc-per-replica", type=int, default=1, help="ranks per group")
     parser.add_argument(
-        "--kill-every", type=duration, default=15.0, help="SIGKILL a random group (0: never)"
+        "--kill-every",
+        type=duration,
+        help="SIGKILL a random group this often (default: 15s; 0: never)",
+    )
+    parser.add_argument(
+        "--seed-regime",
+        type=float,
+        metavar="STEPS",
+        help="the seed experiment's failure rate: a SIGKILL of a random group every STEPS "
+        "healthy steps (1.4: its one failure every 15 s; 5.5: one a minute), timed on the "
+        f"job's first {regime.MEASURED_STEPS} steps of every group; "
+        f"{regime.GROUPS} groups unless --replicas says otherwise",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="stop once the job committed this many steps (from the first failure with "
+        "--seed-regime), or at --duration, whichever comes first",
     )
     parser.add_argument("--hang-every", type=duration, help="SIGSTOP a random group this often")
     parser.add_argument(
@@ -441,6 +510,12 @@ def main(argv: list[str]) -> int:
         f"{args.duration:g} s"
         + (f", SIGKILL of a random group every {args.kill_every:g} s" if args.kill_every else "")
         + (
+            f", SIGKILL of a random group every {args.seed_regime:g} healthy steps"
+            if args.seed_regime
+            else ""
+        )
+        + (f", {args.steps} steps" if args.steps else "")
+        + (
             f", SIGKILL of every group every {args.kill_all_every:g} s"
             if args.kill_all_every
             else ""
@@ -461,9 +536,11 @@ def main(argv: list[str]) -> int:
         progress.event(f"{args.lighthouses} lighthouses at {lighthouses.addresses}")
         if args.kill_lighthouse_every:
             lighthouses.kill_every(args.kill_lighthouse_every, progress.event)
-    job = DemoJob(args.replicas, args.out, progress)
+    job = DemoJob(args.replicas, args.out, progress, seed_regime=args.seed_regime, steps=args.steps)
+    run = launcher.Launcher(config, token, observer=job)
+    job.pace = lambda every: run.set_chaos(dataclasses.replace(run.chaos, kill_every=every))
     try:
-        code = launcher.Launcher(config, token, observer=job).run(
+        code = run.run(
             duration=args.duration,
             chaos_quiet=chaos_quiet(args),
             startup_timeout=STARTUP_TIMEOUT,
@@ -502,11 +579,31 @@ def chaos_quiet(args: argparse.Namespace) -> float:
     return min(5.0, min(every, default=0.0) / 2)
 
 
+def pace(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The groups and the failures of `--seed-regime`, `--kill-every`, `--replicas` and
+    `--steps`, their defaults filled in (a bad one exits with a usage error)."""
+    if args.seed_regime is not None:
+        if args.seed_regime <= 0:
+            parser.error("--seed-regime is the healthy steps between failures, e.g. 1.4")
+        if args.kill_every is not None:
+            parser.error(
+                "--seed-regime paces the SIGKILLs by the job's step time: leave --kill-every out"
+            )
+        args.kill_every = 0.0  # until the healthy step time is known
+    elif args.kill_every is None:
+        args.kill_every = 15.0
+    if args.replicas is None:
+        args.replicas = regime.GROUPS if args.seed_regime is not None else 3
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, str]:
     """The demo's options, checked (a bad one exits with a usage error before anything
     starts), and the job token; makes the report and snapshot folders."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    pace(parser, args)
     if args.replicas < 1 or args.nproc_per_replica < 1:
         parser.error("--replicas and --nproc-per-replica must be at least 1")
     if args.duration <= 0:
@@ -575,8 +672,11 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
 
 def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[str, Any]:
     """Prints the summary and writes the report's files; returns the report."""
+    steps = job.steps
+    if job.failures_from is not None:  # the seed regime: the healthy steps it timed go
+        steps = [r for r in steps if r["t_start"] >= job.failures_from]
     report = analyze(
-        job.steps,
+        steps,
         job.events,
         replicas=args.replicas,
         started=job.started,
@@ -590,6 +690,17 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
         "nproc_per_replica": args.nproc_per_replica,
         "duration_s": args.duration,
         "kill_every_s": args.kill_every,
+        "seed_regime": None
+        if args.seed_regime is None
+        else {
+            "failure_every_steps": args.seed_regime,
+            "healthy_step_s": job.healthy_step_s,
+            "kill_every_s": None
+            if job.healthy_step_s is None
+            else args.seed_regime * job.healthy_step_s,
+            "from_step": job.failures_from_step,
+        },
+        "steps": args.steps,
         "hang_every_s": args.hang_every,
         "hang_thread_every_s": args.hang_thread_every,
         "lighthouses": args.lighthouses,
@@ -614,7 +725,7 @@ def write_report(args: argparse.Namespace, job: DemoJob, exited: float) -> dict[
     )
     events = "".join(json.dumps(e) + "\n" for e in job.events)
     save(args.out / "events.jsonl", lambda p: p.write_text(events), warn)
-    save(args.out / "report.png", lambda p: plot(chart(job.steps, report), str(p)), warn)
+    save(args.out / "report.png", lambda p: plot(chart(steps, report), str(p)), warn)
     print(files_line(args.out))
     return report
 

@@ -56,6 +56,11 @@ class LaunchObserver:
     def crash_loop(self, group: Group, loop: CrashLoop) -> None:
         """`group`'s last lives all died of one exception (`phalanx.crashes`)."""
 
+    def finished(self) -> bool:
+        """Whether the watcher has seen what it wanted (the demo's --steps): the
+        launcher then stops every group, as at the end of `run(duration)`."""
+        return False
+
     def trains(self) -> bool:
         """Whether the job trains yet: the clocks of --chaos and of `run(duration)`
         start then. A watcher that reads its ranks' steps (the demo) says when."""

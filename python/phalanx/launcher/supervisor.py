@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from phalanx import _core, watchdog
 from phalanx.crashes import CrashReader
 from phalanx.forkserver import ForkServer, die_with_parent
-from phalanx.launcher.chaos import Injector
+from phalanx.launcher.chaos import Chaos, Injector
 from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.group import Group
 from phalanx.launcher.observer import LaunchObserver
@@ -320,6 +320,11 @@ class Launcher:
             return True
         return False
 
+    def set_chaos(self, chaos: Chaos) -> None:
+        """Injects `chaos` from now on (a watcher that paces its failures by the job's
+        own step time sets them once it knows it); its clocks start at the next look."""
+        self.chaos = self.injector.chaos = chaos
+
     def inject(self, now: float) -> None:
         """Injects the failures that are due; the clock starts once the job trains."""
         self.injector.inject(now, self.groups)
@@ -331,9 +336,10 @@ class Launcher:
         startup_timeout: float = float("inf"),
     ) -> int:
         """Runs the job until every group finished or gave up, a signal arrives, or
-        it trained for `duration` seconds (then every group is stopped; that counts
-        as success). No failure is injected in the last `chaos_quiet` seconds. A job
-        that does not train within `startup_timeout` seconds is stopped as failed."""
+        it trained for `duration` seconds or its watcher has seen enough (then every
+        group is stopped; that counts as success). No failure is injected in the last
+        `chaos_quiet` seconds. A job that does not train within `startup_timeout`
+        seconds is stopped as failed."""
         self._start()
         try:
             timed_out = self._supervise(duration, chaos_quiet, startup_timeout)
@@ -396,7 +402,7 @@ class Launcher:
             end = float("inf")
             if duration is not None and trains_since is not None:
                 end = trains_since + duration
-            if now >= end:
+            if now >= end or self.observer.finished():
                 return True
             self.look_for_commits(now)
             self.check_groups(now)
