@@ -60,6 +60,7 @@ def counts(launcher: int, fork_server: int) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_a_thousand_kills_leave_no_process_file_or_thread_behind():
     argv = ["--replicas", str(GROUPS), "--restart-backoff", "0", "--chaos", "kill-every=20ms"]
     argv += ["--", sys.executable, str(PROCS / "step_loop.py")]

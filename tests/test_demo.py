@@ -102,9 +102,11 @@ def test_the_demo_trains_through_kills_and_reports_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_seed_regime_times_healthy_steps_then_kills_every_few_of_them(tmp_path):
     out = tmp_path / "seed"
-    done = run_demo(out, "--seed-regime", "2", "--replicas", "3", "--steps", "15")
+    flags = ("--seed-regime", "2", "--replicas", "3", "--steps", "15")
+    done = run_demo(out, *flags, timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     paced = report["config"]["seed_regime"]
