@@ -17,7 +17,7 @@ import json
 import threading
 import time
 
-from phalanx import ManagerClient, ManagerServer
+from phalanx import ManagerClient, ManagerServer, QuorumRequest
 from phalanx.progress import Progress
 from phalanx.watchdog import install_chaos
 
@@ -69,7 +69,7 @@ def main() -> None:
             progress.step_began(step)
         try:
             with waiting("the quorum"):
-                q = client.quorum(0, step, timeout=args.timeout)
+                q = client.quorum(QuorumRequest(group_rank=0, step=step, timeout=args.timeout))
         except (ConnectionError, TimeoutError) as e:
             emit("error", error=str(e))
             time.sleep(0.1)

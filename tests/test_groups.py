@@ -212,7 +212,7 @@ def test_a_live_group_that_never_asks_again_holds_the_job_back_for_a_bounded_tim
     a.expect(lambda line: is_step(line, ["a"]), 30, "a trains")
     with phalanx.ManagerServer("w", lighthouse.address, heartbeat_interval=0.05) as wedged:
         rank = phalanx.ManagerClient(wedged.address)
-        first = rank.quorum(0, 0, timeout=10.0)
+        first = rank.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=10.0))
         assert [m.replica_id for m in first.participants] == ["a", "w"]
         wedged_at = time.time()
         line = a.expect(

@@ -179,7 +179,9 @@ PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;versi
 def test_metrics_come_in_the_format_the_scraper_asks_for_and_both_parse(lighthouse):
     with phalanx.ManagerServer("g", lighthouse.address, heartbeat_interval=0.05) as server:
         client = phalanx.ManagerClient(server.address)
-        client.quorum(0, 0, timeout=5.0, state_refused={"token": 2})
+        client.quorum(
+            phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0, state_refused={"token": 2})
+        )
         metrics = f"http://{lighthouse.address}/metrics"
         refused = 'group_refused_requests_total{replica_id="g",reason="token"} 2'
         wait_until(lambda: refused in http_get(metrics)[1], 5.0, "a group's refusals")
@@ -209,9 +211,11 @@ def test_a_groups_commits_failures_and_heal_bytes_are_counted_at_the_lighthouse(
     sample = 'phalanx_lighthouse_group_{}{{replica_id="g"}} {}\n'.format
     with phalanx.ManagerServer("g", lighthouse.address, heartbeat_interval=0.05) as server:
         client = phalanx.ManagerClient(server.address)
-        q = client.quorum(0, 0, timeout=5.0)
+        q = client.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0))
         assert client.should_commit(0, 0, True, timeout=5.0, quorum_id=q.quorum_id).commit
-        q = client.quorum(0, 1, timeout=5.0, healed_bytes=4096)
+        q = client.quorum(
+            phalanx.QuorumRequest(group_rank=0, step=1, timeout=5.0, healed_bytes=4096)
+        )
         assert not client.should_commit(0, 1, False, timeout=5.0, quorum_id=q.quorum_id).commit
         wait_until(
             lambda: sample("steps_failed_total", 1) in http_get(metrics)[1], 5.0, "the failure"

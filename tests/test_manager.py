@@ -38,8 +38,16 @@ def group(lighthouse) -> Iterator[tuple[phalanx.ManagerClient, phalanx.ManagerCl
 def both_ask(group, step: int) -> list[phalanx.QuorumResult]:
     rank0, rank1 = group
     return together(
-        lambda: rank0.quorum(0, step, timeout=5.0, state_address="127.0.0.1:1000"),
-        lambda: rank1.quorum(1, step, timeout=5.0, state_address="127.0.0.1:1001"),
+        lambda: rank0.quorum(
+            phalanx.QuorumRequest(
+                group_rank=0, step=step, timeout=5.0, state_address="127.0.0.1:1000"
+            )
+        ),
+        lambda: rank1.quorum(
+            phalanx.QuorumRequest(
+                group_rank=1, step=step, timeout=5.0, state_address="127.0.0.1:1001"
+            )
+        ),
     )
 
 
@@ -112,7 +120,7 @@ def test_a_rank_that_never_asks_for_the_quorum_is_named_in_the_timeout(group):
     started = time.monotonic()
 
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of the group did not ask"):
-        rank0.quorum(0, 0, timeout=0.3)
+        rank0.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=0.3))
 
     assert time.monotonic() - started < 2.0
 
@@ -122,7 +130,7 @@ def test_ranks_that_disagree_on_the_step_are_told_so(group):
 
     def ask(client, rank, step):
         try:
-            client.quorum(rank, step, timeout=2.0)
+            client.quorum(phalanx.QuorumRequest(group_rank=rank, step=step, timeout=2.0))
         except ValueError as e:
             return str(e)
         return "no error"
@@ -138,11 +146,13 @@ def test_ranks_that_disagree_on_the_step_are_told_so(group):
 def test_malformed_rank_requests_are_refused_and_the_server_keeps_serving(group):
     rank0, _ = group
     with pytest.raises(ValueError, match="group rank 2 is out of range for a group of 2"):
-        rank0.quorum(2, 0, timeout=1.0)
+        rank0.quorum(phalanx.QuorumRequest(group_rank=2, step=0, timeout=1.0))
     with pytest.raises(ValueError, match="step -1 is negative"):
-        rank0.quorum(0, -1, timeout=1.0)
+        rank0.quorum(phalanx.QuorumRequest(group_rank=0, step=-1, timeout=1.0))
     with pytest.raises(ValueError, match="state address"):
-        rank0.quorum(0, 0, timeout=1.0, state_address="host 1:2")
+        rank0.quorum(
+            phalanx.QuorumRequest(group_rank=0, step=0, timeout=1.0, state_address="host 1:2")
+        )
     with pytest.raises(ValueError, match="group rank 5"):
         rank0.should_commit(5, 0, True, timeout=1.0)
     with pytest.raises(ValueError, match="timeout"):
@@ -196,8 +206,8 @@ def test_a_group_that_shuts_down_is_reported_to_the_others_at_once():
             a_rank, b_rank = phalanx.ManagerClient(a.address), phalanx.ManagerClient(b.address)
             a_rank.subscribe_events()
             quorums = together(
-                lambda: a_rank.quorum(0, 0, timeout=5.0),
-                lambda: b_rank.quorum(0, 0, timeout=5.0),
+                lambda: a_rank.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0)),
+                lambda: b_rank.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0)),
             )
             assert [len(q.participants) for q in quorums] == [2, 2]
         finally:
@@ -210,7 +220,8 @@ def test_a_group_that_shuts_down_is_reported_to_the_others_at_once():
         assert time.monotonic() - stopped_at < 2.0
         assert (event.lost, event.cause) == (["b"], "left")  # it ended its run; not "stream_broken"
         assert event.quorum_id == quorums[0].quorum_id
-        assert a_rank.quorum(0, 1, timeout=5.0).quorum_id > event.quorum_id
+        again = a_rank.quorum(phalanx.QuorumRequest(group_rank=0, step=1, timeout=5.0))
+        assert again.quorum_id > event.quorum_id
 
 
 def test_groups_ask_for_their_quorums_on_their_heartbeat_streams(lighthouse):
@@ -222,7 +233,8 @@ def test_groups_ask_for_their_quorums_on_their_heartbeat_streams(lighthouse):
     ):
         ranks = [phalanx.ManagerClient(a.address), phalanx.ManagerClient(b.address)]
         for step in range(2):
-            quorums = together(*(lambda r=r, s=step: r.quorum(0, s, timeout=5.0) for r in ranks))
+            request = phalanx.QuorumRequest(group_rank=0, step=step, timeout=5.0)
+            quorums = together(*(lambda r=r, q=request: r.quorum(q) for r in ranks))
             for group, quorum in zip("ab", quorums, strict=True):
                 assert group in [m.replica_id for m in quorum.participants]
 
@@ -234,7 +246,11 @@ def test_groups_ask_for_their_quorums_on_their_heartbeat_streams(lighthouse):
 def test_a_quorum_asked_in_the_background_answers_once(group):
     rank0, rank1 = group
     asked = [
-        rank.start_quorum(r, 0, timeout=5.0, state_address=f"127.0.0.1:{1000 + r}")
+        rank.start_quorum(
+            phalanx.QuorumRequest(
+                group_rank=r, step=0, timeout=5.0, state_address=f"127.0.0.1:{1000 + r}"
+            )
+        )
         for r, rank in enumerate(group)
     ]
     r0, r1 = (a.result() for a in asked)
@@ -245,7 +261,8 @@ def test_a_quorum_asked_in_the_background_answers_once(group):
 
 def test_a_refused_quorum_asked_in_the_background_raises_when_taken(group):
     rank0, _ = group
-    asked = rank0.start_quorum(5, 0, timeout=1.0)  # no rank 5 in a group of two
+    no_such_rank = phalanx.QuorumRequest(group_rank=5, step=0, timeout=1.0)  # in a group of two
+    asked = rank0.start_quorum(no_such_rank)
     with pytest.raises(ValueError, match="group rank 5 is out of range"):
         asked.result()
 
@@ -286,7 +303,10 @@ def test_a_stopping_server_answers_its_waiting_ranks_at_once(lighthouse):
         phalanx.ManagerClient(server.address, server=server),
         phalanx.ManagerClient(server.address),
     ]
-    asked = [rank.start_quorum(r, 0, timeout=30.0) for r, rank in enumerate(ranks)]
+    asked = [
+        rank.start_quorum(phalanx.QuorumRequest(group_rank=r, step=0, timeout=30.0))
+        for r, rank in enumerate(ranks)
+    ]
     wait_until(lambda: server.asking == (0, [0, 1]), 10.0, "ranks 0 and 1 wait")
     started = time.monotonic()
     server.shutdown()
@@ -320,12 +340,10 @@ def test_groups_that_end_their_run_ahead_of_one_left_behind_never_let_it_redo_th
 
         def step(groups: str, step: int, state_quorum_id: int) -> int:
             """`groups` take `step` together and commit it; its quorum id."""
-            quorums = together(
-                *(
-                    lambda g=g: ranks[g].quorum(0, step, 10.0, state_quorum_id=state_quorum_id)
-                    for g in groups
-                )
+            request = phalanx.QuorumRequest(
+                group_rank=0, step=step, timeout=10.0, state_quorum_id=state_quorum_id
             )
+            quorums = together(*(lambda g=g: ranks[g].quorum(request) for g in groups))
             assert {len(q.participants) for q in quorums} == {len(groups)}, quorums
             quorum_id = quorums[0].quorum_id
             votes = together(
@@ -343,7 +361,9 @@ def test_groups_that_end_their_run_ahead_of_one_left_behind_never_let_it_redo_th
         b.shutdown()
         wait_until(lambda: len(watcher.status().replicas) == 1, 10.0, "a and b left")
 
-        behind = ranks["c"].quorum(0, 1, 10.0, state_quorum_id=first)
+        behind = ranks["c"].quorum(
+            phalanx.QuorumRequest(group_rank=0, step=1, timeout=10.0, state_quorum_id=first)
+        )
 
         gave_up = behind.rolled_back_from
         assert gave_up is not None, "c would commit step 1 again, as the leavers' lineage"

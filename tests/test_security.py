@@ -69,21 +69,24 @@ def test_a_manager_server_with_a_token_refuses_ranks_without_it(locked):
     ) as server:
         intruder = phalanx.ManagerClient(server.address)
         with pytest.raises(PermissionError, match="missing or wrong job token"):
-            intruder.quorum(0, 0, timeout=1.0)
+            intruder.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=1.0))
         with pytest.raises(PermissionError):
             intruder.should_commit(0, 0, True, timeout=1.0)
         with pytest.raises(PermissionError):
             intruder.subscribe_events(timeout=1.0)
 
         rank = phalanx.ManagerClient(server.address, token=TOKEN)
-        assert rank.quorum(0, 0, timeout=5.0).participants[0].replica_id == "g"
+        quorum = rank.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0))
+        assert quorum.participants[0].replica_id == "g"
         assert rank.should_commit(0, 0, True, timeout=5.0).commit is True
 
 
 def test_a_manager_server_without_the_token_cannot_join_a_locked_lighthouse(locked):
     server = phalanx.ManagerServer("g", locked.address, heartbeat_interval=HEARTBEAT_INTERVAL)
     with server, pytest.raises(PermissionError, match="missing or wrong job token"):
-        phalanx.ManagerClient(server.address).quorum(0, 0, timeout=2.0)
+        phalanx.ManagerClient(server.address).quorum(
+            phalanx.QuorumRequest(group_rank=0, step=0, timeout=2.0)
+        )
     status = phalanx.LighthouseClient(locked.address, token=TOKEN).status(timeout=1.0)
     assert status.replicas == []
 
@@ -140,10 +143,16 @@ def test_a_groups_refusals_reach_the_lighthouses_metrics(locked):
         "g", locked.address, token=TOKEN, heartbeat_interval=HEARTBEAT_INTERVAL
     ) as server:
         with pytest.raises(PermissionError):
-            phalanx.ManagerClient(server.address).quorum(0, 0, timeout=1.0)
+            phalanx.ManagerClient(server.address).quorum(
+                phalanx.QuorumRequest(group_rank=0, step=0, timeout=1.0)
+            )
         # A rank reports its state server's refusals with its quorum request.
         rank = phalanx.ManagerClient(server.address, token=TOKEN)
-        rank.quorum(0, 0, timeout=5.0, state_refused={"token": 3, "crowded_out": 2})
+        rank.quorum(
+            phalanx.QuorumRequest(
+                group_rank=0, step=0, timeout=5.0, state_refused={"token": 3, "crowded_out": 2}
+            )
+        )
         assert server.refused_requests["token"] == 4
 
         def exported() -> str:

@@ -130,7 +130,8 @@ def quorum_with_one_behind(servers: ExitStack, lighthouse) -> None:
     }
 
     def ask(name: str) -> int:
-        return clients[name].quorum(0, steps[name], timeout=10.0).replica_world_size
+        request = phalanx.QuorumRequest(group_rank=0, step=steps[name], timeout=10.0)
+        return clients[name].quorum(request).replica_world_size
 
     # A quorum already exists (the lost groups'): the lighthouse waits only for its
     # live members. So a forms one alone; then, b and c asking, it waits for a.

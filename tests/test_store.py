@@ -145,7 +145,7 @@ def test_a_gloo_group_builds_over_the_store_and_reduces(server, size):
 
 def test_a_quorums_keys_are_dropped_once_the_group_moved_on(lighthouse, server, store):
     a = phalanx.ManagerClient(server.address, token=TOKEN)
-    first = a.quorum(0, 0, timeout=5.0)
+    first = a.quorum(phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0))
     store.set(f"{first.store_prefix}/0", b"gloo address")
     store.set("phalanx/group/0", b"the group's own")
 
@@ -154,12 +154,13 @@ def test_a_quorums_keys_are_dropped_once_the_group_moved_on(lighthouse, server, 
         "h", lighthouse.address, token=TOKEN, heartbeat_interval=HEARTBEAT_INTERVAL
     ) as other:
         b = phalanx.ManagerClient(other.address, token=TOKEN)
-        joined = threading.Thread(target=b.quorum, args=(0, 0), kwargs={"timeout": 5.0})
+        request = phalanx.QuorumRequest(group_rank=0, step=0, timeout=5.0)
+        joined = threading.Thread(target=b.quorum, args=(request,))
         joined.start()
         # The lighthouse may answer a's next request before it counts b in; b is in
         # within a few.
         for step in range(1, 10):
-            second = a.quorum(0, step, timeout=5.0)
+            second = a.quorum(phalanx.QuorumRequest(group_rank=0, step=step, timeout=5.0))
             if second.quorum_id != first.quorum_id:
                 break
         joined.join(10)

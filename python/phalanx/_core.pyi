@@ -406,6 +406,82 @@ class ManagerServer:
         tb: TracebackType | None,
     ) -> bool: ...
 
+class QuorumRequest:
+    """What one rank asks its group's manager server for (`ManagerClient.quorum()`,
+    `start_quorum()`): the quorum of `step`, and what the group reports to the
+    lighthouse with it. Frozen; every value is checked when it is made, and a bad one
+    is named.
+
+    >>> request = QuorumRequest(group_rank=0, step=3, timeout=30.0, torn=True)
+    >>> request.step, request.torn, request.state_address
+    (3, True, '')
+    >>> QuorumRequest(group_rank=-1, step=3, timeout=30.0)
+    Traceback (most recent call last):
+    ValueError: group_rank must be 0 or more (and fit the wire), got -1
+    >>> QuorumRequest(group_rank=0, step=3, timeout=30.0, tron=True)
+    Traceback (most recent call last):
+    TypeError: QuorumRequest() got an unexpected keyword argument 'tron'
+    """
+
+    def __init__(
+        self,
+        *,
+        group_rank: int,
+        step: int,
+        timeout: float,
+        state_address: str = "",
+        shrink_only: bool = False,
+        state_quorum_id: int = 0,
+        torn: bool = False,
+        state_refused: dict[str, int] | None = None,
+        healed_bytes: int = 0,
+        lineage: int = 0,
+        unreachable: list[str] = ...,
+        resumed: bool = False,
+    ) -> None: ...
+    @property
+    def group_rank(self) -> int:
+        """This rank's place in its group, 0 to the group's world size - 1."""
+    @property
+    def step(self) -> int:
+        """The step the rank is about to take; every rank of the group asks for the
+        same."""
+    @property
+    def timeout(self) -> float:
+        """Seconds the rank waits for its quorum (more than 0)."""
+    @property
+    def state_address(self) -> str:
+        """Where this rank serves its state to healing peers (host:port; "": nowhere)."""
+    @property
+    def shrink_only(self) -> bool:
+        """The group would rather wait than have the quorum grow."""
+    @property
+    def state_quorum_id(self) -> int:
+        """With `step`, which state this rank holds: the quorum that committed it (see
+        `Member.state_quorum_id`)."""
+    @property
+    def torn(self) -> bool:
+        """This rank's heal failed part way: its state is unusable until a heal
+        succeeds."""
+    @property
+    def state_refused(self) -> dict[str, int] | None:
+        """This rank's state server's refusals so far, by reason
+        (`StateServer.refused_requests`); the group reports them to the lighthouse."""
+    @property
+    def healed_bytes(self) -> int:
+        """Tensor bytes this rank fetched from its peers in heals so far; the group
+        reports them to the lighthouse."""
+    @property
+    def lineage(self) -> int:
+        """The lineage of this rank's state (see `Member.lineage`)."""
+    @property
+    def unreachable(self) -> list[str]:
+        """The groups of the last quorum this rank could not reach (see
+        `phalanx.peers`); the lighthouse leaves one of each such pair out."""
+    @property
+    def resumed(self) -> bool:
+        """This rank's state was read from storage (see `Member.resumed`)."""
+
 class PendingQuorum:
     """A quorum asked for by `ManagerClient.start_quorum`, on its way."""
 
@@ -427,48 +503,15 @@ class ManagerClient:
         connect_timeout: float = 5.0,
         server: ManagerServer | None = None,
     ) -> None: ...
-    def quorum(
-        self,
-        group_rank: int,
-        step: int,
-        timeout: float,
-        state_address: str = "",
-        shrink_only: bool = False,
-        state_quorum_id: int = 0,
-        torn: bool = False,
-        state_refused: dict[str, int] | None = None,
-        healed_bytes: int = 0,
-        lineage: int = 0,
-        unreachable: list[str] = ...,
-        resumed: bool = False,
-    ) -> QuorumResult:
-        """Asks for the quorum of `step` (the state committed in quorum
-        `state_quorum_id`, of `lineage`; `torn` after a failed heal); every rank of the
-        group must ask for the same step. `state_refused`: this rank's state server's
-        refusals so far (`StateServer.refused_requests`), and `healed_bytes`: the bytes
-        it fetched in heals so far, both of which the group reports to the lighthouse.
-        `unreachable`: the groups of the last quorum this rank could not reach (see
-        `phalanx.peers`); the lighthouse leaves one of each such pair out. `resumed`:
-        the state was read from storage (see `Member.resumed`)."""
-    def start_quorum(
-        self,
-        group_rank: int,
-        step: int,
-        timeout: float,
-        state_address: str = "",
-        shrink_only: bool = False,
-        state_quorum_id: int = 0,
-        torn: bool = False,
-        state_refused: dict[str, int] | None = None,
-        healed_bytes: int = 0,
-        lineage: int = 0,
-        unreachable: list[str] = ...,
-        resumed: bool = False,
-    ) -> PendingQuorum:
+    def quorum(self, request: QuorumRequest) -> QuorumResult:
+        """Asks for the quorum `request` names; every rank of the group must ask for
+        the same step."""
+    def start_quorum(self, request: QuorumRequest) -> PendingQuorum:
         """`quorum()` in the background: returns at once; the quorum comes from
         `result()`. Ask before the forward pass, take it after.
 
-        >>> asked = rank.start_quorum(0, step, timeout=30.0)  # doctest: +SKIP
+        >>> request = QuorumRequest(group_rank=0, step=step, timeout=30.0)  # doctest: +SKIP
+        >>> asked = rank.start_quorum(request)  # doctest: +SKIP
         >>> asked.result().quorum_id  # doctest: +SKIP
         7
         """

@@ -125,20 +125,21 @@ def begin(rank: Rank, shrink_only: bool, previous: Step | None) -> Step:
     rank.progress.bind()
     rank.progress.step_began(held.step)
     snapshot_s = snapshot_or_resume(rank, first=previous is None)
-    asked = rank.services.client.start_quorum(
-        rank.settings.group_rank,
-        held.step,
-        rank.settings.timeouts.quorum,
-        host.address,
-        shrink_only,
-        held.state_quorum_id,
-        held.torn,
-        host.refused_requests,
-        rank.healed_bytes,
-        held.lineage,
-        rank.peers.unreachable(),
-        held.from_storage,
+    request = _core.QuorumRequest(
+        group_rank=rank.settings.group_rank,
+        step=held.step,
+        timeout=rank.settings.timeouts.quorum,
+        state_address=host.address,
+        shrink_only=shrink_only,
+        state_quorum_id=held.state_quorum_id,
+        torn=held.torn,
+        state_refused=host.refused_requests,
+        healed_bytes=rank.healed_bytes,
+        lineage=held.lineage,
+        unreachable=rank.peers.unreachable(),
+        resumed=held.from_storage,
     )
+    asked = rank.services.client.start_quorum(request)
     step = Step(held.step, asked, None if previous is None else previous.known_quorum)
     step.record.snapshot_s = snapshot_s
     rank.losses.follow(step)

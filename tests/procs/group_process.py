@@ -69,7 +69,12 @@ def run(args: argparse.Namespace) -> None:
         time.sleep(args.step_interval)
         try:
             result = client.quorum(
-                0, step, timeout=args.quorum_timeout, state_quorum_id=state_quorum_id
+                phalanx.QuorumRequest(
+                    group_rank=0,
+                    step=step,
+                    timeout=args.quorum_timeout,
+                    state_quorum_id=state_quorum_id,
+                )
             )
         except (ConnectionError, TimeoutError) as e:
             emit(event="error", call="quorum", step=step, kind=type(e).__name__, message=str(e))

@@ -35,7 +35,9 @@ def knock(lighthouse: str, manager: str, states: list[str]) -> dict[str, str]:
     planes = {
         "lighthouse quorum": lambda: beacon.quorum("intruder", timeout=TIMEOUT),
         "lighthouse status": lambda: beacon.status(timeout=TIMEOUT),
-        "manager quorum": lambda: rank.quorum(0, 0, timeout=TIMEOUT),
+        "manager quorum": lambda: rank.quorum(
+            phalanx.QuorumRequest(group_rank=0, step=0, timeout=TIMEOUT)
+        ),
         "manager vote": lambda: rank.should_commit(0, 1, False, timeout=TIMEOUT),
         "store write": lambda: Store(manager, timeout=TIMEOUT).set("phalanx/x", b"x"),
     }

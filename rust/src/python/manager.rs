@@ -10,6 +10,7 @@ use pyo3::types::PyDict;
 use tokio::sync::{mpsc, oneshot};
 
 use super::eviction;
+use super::keywords::Given;
 use super::runtime::{connect, control, wait};
 use super::types::{CommitDecision, MembershipLost, QuorumResult};
 use super::{job_request, seconds, seconds_or_zero, stop, unsigned, Server};
@@ -104,6 +105,89 @@ impl ManagerServer {
     }
 }
 
+keywords! {
+    /// What one rank asks its group's manager server for: the quorum of `step`, and
+    /// what the group reports to the lighthouse with it. Checked when it is made, so
+    /// that a bad value is named where it was written.
+    #[pyclass(module = "phalanx._core", frozen, get_all)]
+    #[derive(Debug)]
+    pub struct QuorumRequest {
+        /// This rank's place in its group, 0 to the group's world size - 1.
+        group_rank: i64,
+        /// The step the rank is about to take; every rank of the group asks for the same.
+        step: i64,
+        /// Seconds the rank waits for its quorum.
+        timeout: f64,
+        /// Where this rank serves its state to healing peers (host:port).
+        state_address: String = String::new(),
+        /// The group would rather wait than have the quorum grow.
+        shrink_only: bool = false,
+        /// With `step`, which state this rank holds: the quorum that committed it.
+        state_quorum_id: u64 = 0,
+        /// This rank's heal failed part way: its state is unusable.
+        torn: bool = false,
+        /// This rank's state server's refusals so far, by reason.
+        state_refused: Option<HashMap<String, u64>> = None,
+        /// Tensor bytes this rank fetched from its peers in heals so far.
+        healed_bytes: u64 = 0,
+        /// The lineage of this rank's state.
+        lineage: u64 = 0,
+        /// The groups of the last quorum this rank could not reach.
+        unreachable: Vec<String> = Vec::new(),
+        /// This rank's state was read from storage (a snapshot).
+        resumed: bool = false,
+    }
+}
+
+#[pymethods]
+impl QuorumRequest {
+    #[new]
+    #[pyo3(
+        signature = (**fields),
+        text_signature = "(*, group_rank, step, timeout, state_address='', shrink_only=False, \
+                          state_quorum_id=0, torn=False, state_refused=None, healed_bytes=0, \
+                          lineage=0, unreachable=..., resumed=False)"
+    )]
+    fn new(fields: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let request: Self = Given::new("QuorumRequest", fields)?.only()?;
+        unsigned::<u32>("group_rank", request.group_rank)?;
+        seconds("timeout", request.timeout)?;
+        Ok(request)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+impl QuorumRequest {
+    /// The request as the wire carries it.
+    fn wire(&self) -> PyResult<proto::ManagerQuorumRequest> {
+        Ok(proto::ManagerQuorumRequest {
+            group_rank: unsigned("group_rank", self.group_rank)?,
+            step: self.step,
+            state_address: self.state_address.clone(),
+            shrink_only: self.shrink_only,
+            state_quorum_id: self.state_quorum_id,
+            torn: self.torn,
+            state_refused: self
+                .state_refused
+                .iter()
+                .flatten()
+                .map(|(reason, &count)| proto::RefusalCount {
+                    reason: reason.clone(),
+                    count,
+                })
+                .collect(),
+            healed_bytes: self.healed_bytes,
+            lineage: self.lineage,
+            unreachable: self.unreachable.clone(),
+            resumed: self.resumed,
+            ..Default::default()
+        })
+    }
+}
+
 type EventQueue = Arc<tokio::sync::Mutex<mpsc::Receiver<proto::MembershipLost>>>;
 
 type QuorumAnswer = Result<proto::ManagerQuorumResponse, crate::Error>;
@@ -179,81 +263,18 @@ impl ManagerClient {
         })
     }
 
-    /// Asks for the quorum of `step` on behalf of `group_rank`; every rank of the group
-    /// must ask for the same step.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new(), resumed = false))]
-    #[allow(clippy::too_many_arguments)]
-    fn quorum(
-        &self,
-        py: Python<'_>,
-        group_rank: i64,
-        step: i64,
-        timeout: f64,
-        state_address: String,
-        shrink_only: bool,
-        state_quorum_id: u64,
-        torn: bool,
-        state_refused: Option<HashMap<String, u64>>,
-        healed_bytes: u64,
-        lineage: u64,
-        unreachable: Vec<String>,
-        resumed: bool,
-    ) -> PyResult<QuorumResult> {
-        self.start_quorum(
-            group_rank,
-            step,
-            timeout,
-            state_address,
-            shrink_only,
-            state_quorum_id,
-            torn,
-            state_refused,
-            healed_bytes,
-            lineage,
-            unreachable,
-            resumed,
-        )?
-        .result(py)
+    /// Asks for the quorum `request` names; every rank of the group must ask for the
+    /// same step.
+    fn quorum(&self, py: Python<'_>, request: &Bound<'_, QuorumRequest>) -> PyResult<QuorumResult> {
+        self.start_quorum(request)?.result(py)
     }
 
     /// `quorum()` in the background: returns at once, and `result()` of what it
     /// returns waits for the quorum. Ask before the forward pass, take it after.
-    #[pyo3(signature = (group_rank, step, timeout, state_address = String::new(), shrink_only = false, state_quorum_id = 0, torn = false, state_refused = None, healed_bytes = 0, lineage = 0, unreachable = Vec::new(), resumed = false))]
-    #[allow(clippy::too_many_arguments)]
-    fn start_quorum(
-        &self,
-        group_rank: i64,
-        step: i64,
-        timeout: f64,
-        state_address: String,
-        shrink_only: bool,
-        state_quorum_id: u64,
-        torn: bool,
-        state_refused: Option<HashMap<String, u64>>,
-        healed_bytes: u64,
-        lineage: u64,
-        unreachable: Vec<String>,
-        resumed: bool,
-    ) -> PyResult<PendingQuorum> {
-        let timeout = seconds("timeout", timeout)?;
-        let request = proto::ManagerQuorumRequest {
-            group_rank: unsigned("group_rank", group_rank)?,
-            step,
-            state_address,
-            shrink_only,
-            state_quorum_id,
-            torn,
-            state_refused: state_refused
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(reason, count)| proto::RefusalCount { reason, count })
-                .collect(),
-            healed_bytes,
-            lineage,
-            unreachable,
-            resumed,
-            ..Default::default()
-        };
+    fn start_quorum(&self, request: &Bound<'_, QuorumRequest>) -> PyResult<PendingQuorum> {
+        let request = request.get();
+        let timeout = seconds("timeout", request.timeout)?;
+        let request = request.wire()?;
         let client = self.inner.clone();
         let (answer, answered) = oneshot::channel();
         control().spawn(async move {
@@ -444,6 +465,7 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MANAGER_DEFAULTS", defaults(m.py())?)?;
     m.add_class::<ManagerServer>()?;
     m.add_class::<ManagerClient>()?;
+    m.add_class::<QuorumRequest>()?;
     m.add_class::<PendingQuorum>()?;
     m.add("STORE_REPLICA_ID_KEY", manager::REPLICA_ID_KEY)?;
     Ok(())

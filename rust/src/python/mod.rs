@@ -6,9 +6,10 @@
 //! token), `ValueError` (bad input), each with a message that says what to do.
 //!
 //! By concern: `runtime` (the two runtimes and the waits on them), `types` (what the
-//! lighthouse and manager answer), `lighthouse`, `manager`, `store`, `state` (the data
-//! path of a heal), `token`, and with the `testing` feature the private `_testing`
-//! (load generators and yardsticks for the benchmarks, the heal tests' corruption hook).
+//! lighthouse and manager answer), `keywords` (a binding's keyword arguments read into
+//! small structs), `lighthouse`, `manager`, `store`, `state` (the data path of a heal),
+//! `token`, and with the `testing` feature the private `_testing` (load generators and
+//! yardsticks for the benchmarks, the heal tests' corruption hook).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -23,6 +24,9 @@ use crate::lighthouse::jobs::JobRequest;
 use crate::server::ServerHandle;
 use crate::{proto, ErrorKind};
 
+// First: the others declare their keyword structs with its macro.
+#[macro_use]
+mod keywords;
 mod eviction;
 mod lighthouse;
 mod manager;
