@@ -133,6 +133,13 @@ impl Quorum {
             .is_ok()
     }
 
+    pub fn member(&self, replica_id: &str) -> Option<&Member> {
+        self.members
+            .binary_search_by(|m| m.replica_id.as_str().cmp(replica_id))
+            .ok()
+            .map(|i| &self.members[i])
+    }
+
     pub fn replica_ids(&self) -> impl Iterator<Item = &str> {
         self.members.iter().map(|m| m.replica_id.as_str())
     }
@@ -200,6 +207,11 @@ pub trait LiveSet {
     /// When the group last made progress in its training, as its beats report it;
     /// None when it does not report it.
     fn progressed_at(&self, _replica_id: &str) -> Option<Instant> {
+        None
+    }
+    /// The manager address the live group beats from, which names its life (a
+    /// restarted group serves on new ports); None when unknown.
+    fn manager_address(&self, _replica_id: &str) -> Option<&str> {
         None
     }
 }
@@ -523,34 +535,41 @@ pub fn decide(round: &Round<'_>) -> Decision {
     // first late member on its way would stop counting as such, unless its beats
     // report progress again.
     let issued = previous_at.unwrap_or(first_join);
+    let straggler = straggler_at(first_rejoin, issued, config.join_timeout);
     // A member that failed the previous quorum's step cannot tell whether its peers
     // committed it (a collective can complete on one side only, a lease can settle on
     // one side only): a late member may hold that very step. Going on without it would
     // commit the step a second time, with other data; waiting lets the failed member
-    // heal from it. So after a failed step, a member on its way is no straggler: it is
-    // waited for while it progresses, within the bound on late members.
-    let failed_step = previous.is_some_and(|prev| {
+    // heal from it. So after a failed step, a late member on its way is no straggler:
+    // it is waited for while it progresses, within the bound on late members. Unless it
+    // is a new life of the group (it beats from another manager address than the one
+    // in that quorum): a restarted group holds no step until it heals.
+    let failed_step = previous.filter(|prev| {
         joined
             .iter()
             .any(|j| j.member.commit_failures > 0 && prev.contains(&j.member.replica_id))
     });
-    let straggler = if failed_step {
-        late_expiry
-    } else {
-        straggler_at(first_rejoin, issued, config.join_timeout)
+    let bound = |id: &str| {
+        let same_life = |prev: &Quorum| {
+            let held_by = prev.member(id).map(|m| m.manager_address.as_str());
+            live.manager_address(id).is_none_or(|now| held_by == Some(now))
+        };
+        match failed_step {
+            Some(prev) if same_life(prev) => late_expiry,
+            _ => straggler,
+        }
     };
-    let on_their_way = (now < straggler)
-        .then(|| {
-            late.iter()
-                .filter_map(|id| live.progressed_at(id))
-                .map(|at| at + config.join_timeout.max(PROGRESS_FRESH))
-                .filter(|until| now < *until)
-                .min()
+    let on_their_way = late
+        .iter()
+        .filter_map(|id| {
+            let fresh_until = live.progressed_at(id)? + config.join_timeout.max(PROGRESS_FRESH);
+            Some(fresh_until.min(bound(id)))
         })
-        .flatten();
+        .filter(|until| now < *until)
+        .min();
     if let Some(until) = on_their_way {
         return Decision::Wait {
-            until: Some(until.min(straggler)),
+            until: Some(until),
             reason: WaitReason::MembersOnTheirWay { missing },
         };
     }

@@ -25,6 +25,8 @@ struct Scene {
     live: BTreeSet<ReplicaId>,
     /// When each group last made progress, as its beats report it.
     progressed: BTreeMap<ReplicaId, Instant>,
+    /// The manager address a group beats from, where the test gives one.
+    beats_from: BTreeMap<ReplicaId, String>,
     previous: Option<Quorum>,
     previous_at: Option<Instant>,
     newest: Option<Newest>,
@@ -48,6 +50,9 @@ impl LiveSet for Seen<'_> {
             .copied()
             .filter(|_| self.is_live(replica_id))
     }
+    fn manager_address(&self, replica_id: &str) -> Option<&str> {
+        self.0.beats_from.get(replica_id).map(String::as_str)
+    }
 }
 
 impl Scene {
@@ -57,6 +62,7 @@ impl Scene {
             joiners: BTreeMap::new(),
             live: live.iter().map(|s| s.to_string()).collect(),
             progressed: BTreeMap::new(),
+            beats_from: BTreeMap::new(),
             previous: None,
             previous_at: None,
             newest: None,
@@ -314,6 +320,23 @@ fn after_a_failed_step_a_hung_member_is_still_left_out() {
     s.join_member(failed, 3000);
     s.progressed_at("c", 3200);
     assert_eq!(ids(&s.issue_at(4200)), ["a", "b"]);
+}
+
+#[test]
+fn after_a_failed_step_a_restarted_member_is_a_straggler_like_any_other() {
+    // c died in the step a and b failed and came back as a new life (another manager
+    // address): it holds no step, and starting up is no reason to wait for it.
+    let mut s = c_late_after_a_3_s_step();
+    for id in ["a", "b"] {
+        let failed = Member {
+            commit_failures: 1,
+            ..member(id)
+        };
+        s.join_member(failed, 3000);
+    }
+    s.beats_from.insert("c".into(), "c-restarted:2".into());
+    s.progressed_at("c", 5999);
+    assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
 }
 
 #[test]

@@ -44,6 +44,10 @@ impl LiveSet for Fresh<'_> {
         let replica = self.replicas.get(replica_id)?;
         Some(replica.pulse.training()?.stalled_since)
     }
+    fn manager_address(&self, replica_id: &str) -> Option<&str> {
+        let stream = self.replicas.get(replica_id)?.stream.as_ref()?;
+        Some(stream.manager_address.as_str())
+    }
 }
 
 impl LighthouseState {
