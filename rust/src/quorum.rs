@@ -552,7 +552,8 @@ pub fn decide(round: &Round<'_>) -> Decision {
     let bound = |id: &str| {
         let same_life = |prev: &Quorum| {
             let held_by = prev.member(id).map(|m| m.manager_address.as_str());
-            live.manager_address(id).is_none_or(|now| held_by == Some(now))
+            live.manager_address(id)
+                .is_none_or(|now| held_by == Some(now))
         };
         match failed_step {
             Some(prev) if same_life(prev) => late_expiry,

@@ -283,10 +283,8 @@ fn a_straggler_is_left_out_at_twice_the_quickest_members_step_time() {
     assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
 }
 
-#[test]
-fn after_a_failed_step_a_member_on_its_way_is_waited_for_past_the_straggler_bound() {
-    // a and b failed the step of the quorum issued at 0; c, late, may have
-    // committed it (its collective completed, theirs did not).
+/// `c_late_after_a_3_s_step`, where a and b failed the step (their votes said no).
+fn a_and_b_failed_the_step_c_is_late() -> Scene {
     let mut s = c_late_after_a_3_s_step();
     for id in ["a", "b"] {
         let failed = Member {
@@ -295,6 +293,14 @@ fn after_a_failed_step_a_member_on_its_way_is_waited_for_past_the_straggler_boun
         };
         s.join_member(failed, 3000);
     }
+    s
+}
+
+#[test]
+fn after_a_failed_step_a_member_on_its_way_is_waited_for_past_the_straggler_bound() {
+    // a and b failed the step of the quorum issued at 0; c, late, may have
+    // committed it (its collective completed, theirs did not).
+    let mut s = a_and_b_failed_the_step_c_is_late();
     s.progressed_at("c", 5999);
     assert!(
         matches!(
@@ -326,14 +332,7 @@ fn after_a_failed_step_a_hung_member_is_still_left_out() {
 fn after_a_failed_step_a_restarted_member_is_a_straggler_like_any_other() {
     // c died in the step a and b failed and came back as a new life (another manager
     // address): it holds no step, and starting up is no reason to wait for it.
-    let mut s = c_late_after_a_3_s_step();
-    for id in ["a", "b"] {
-        let failed = Member {
-            commit_failures: 1,
-            ..member(id)
-        };
-        s.join_member(failed, 3000);
-    }
+    let mut s = a_and_b_failed_the_step_c_is_late();
     s.beats_from.insert("c".into(), "c-restarted:2".into());
     s.progressed_at("c", 5999);
     assert_eq!(ids(&s.issue_at(6000)), ["a", "b"]);
