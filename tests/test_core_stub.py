@@ -151,3 +151,13 @@ def test_the_stub_examples_run(name, text, line):
     runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{name}: an example in _core.pyi failed (see the output)"
+
+
+def test_keywords_read_into_structs_are_checked_by_name():
+    """A binding that reads its keywords into structs (rust/src/python/keywords.rs)
+    refuses a name none of them takes, and names the keyword whose value is wrong."""
+    unexpected = r"LighthouseServer\(\) got an unexpected keyword argument 'join_timout'"
+    with pytest.raises(TypeError, match=unexpected):
+        _core.LighthouseServer(join_timout=0.1)
+    with pytest.raises(TypeError, match="argument 'join_timeout'"):
+        _core.LighthouseServer(join_timeout="soon")

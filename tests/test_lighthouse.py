@@ -300,7 +300,7 @@ def test_a_lighthouse_carries_more_groups_than_it_once_admitted_connections():
 
         with ThreadPoolExecutor(1) as load:
             beating = load.submit(
-                _testing.bench_heartbeats, lighthouse.address, groups, 1.0, 20.0, groups
+                _testing.bench_heartbeats, lighthouse.address, groups, 1.0, 20.0, connections=groups
             )
             wait_until(live, 60.0, f"{groups} groups live")
         assert beating.result(timeout=60) > 0

@@ -346,12 +346,11 @@ def test_groups_that_end_their_run_ahead_of_one_left_behind_never_let_it_redo_th
             quorums = together(*(lambda g=g: ranks[g].quorum(request) for g in groups))
             assert {len(q.participants) for q in quorums} == {len(groups)}, quorums
             quorum_id = quorums[0].quorum_id
-            votes = together(
-                *(
-                    lambda g=g: ranks[g].should_commit(0, step, True, 10.0, quorum_id).commit
-                    for g in groups
-                )
-            )
+
+            def vote(g: str) -> bool:
+                return ranks[g].should_commit(0, step, True, 10.0, quorum_id=quorum_id).commit
+
+            votes = together(*(lambda g=g: vote(g) for g in groups))
             assert all(votes)
             return quorum_id
 

@@ -266,6 +266,7 @@ class LighthouseServer:
     def __init__(
         self,
         bind: str = "127.0.0.1:0",
+        *,
         min_replicas: int | None = None,
         join_timeout: float | None = None,
         heartbeat_timeout: float | None = None,
@@ -335,6 +336,7 @@ class LighthouseClient:
         self,
         replica_id: str,
         timeout: float,
+        *,
         step: int = 0,
         world_size: int = 1,
         manager_address: str = "",
@@ -361,6 +363,7 @@ class ManagerServer:
         replica_id: str,
         lighthouse_address: str,
         world_size: int = 1,
+        *,
         bind: str = "127.0.0.1:0",
         store_address: str = "",
         advertise_host: str | None = None,
@@ -521,6 +524,7 @@ class ManagerClient:
         step: int,
         vote: bool,
         timeout: float,
+        *,
         quorum_id: int = 0,
         torn: bool = False,
         snapshot: bool = False,
@@ -542,14 +546,14 @@ class ManagerClient:
         wait_left: float | None,
         stall_timeout: float,
         step_time: float = 0.0,
-        timeout: float = 1.0,
     ) -> None:
         """Reports what `group_rank`'s training thread did lately (see
         `phalanx.progress`): `marks` counts its progress, only a change matters;
         `wait_left` (seconds), when given, says it sits in a wait on the other groups
         that ends within that long; `step_time` is its own work in its last step. The
         group's heartbeat carries its ranks' reports; the lighthouse evicts a group
-        that made no progress for `stall_timeout` while a peer waits on it."""
+        that made no progress for `stall_timeout` while a peer waits on it. A report
+        waits at most 1 s: one that cannot get through is superseded by the next."""
     def subscribe_events(self, timeout: float = 5.0) -> None:
         """Starts listening for membership-loss events (idempotent)."""
     def next_event(self, timeout: float = 0.0) -> MembershipLost | None:
@@ -732,6 +736,7 @@ def fetch_state(
     step: int,
     quorum_id: int,
     regions: list[tuple[int, int]],
+    *,
     token: str | None = None,
     timeout: float = 60.0,
     connections_per_source: int = 2,

@@ -122,21 +122,34 @@ fn beat(replica_id: &str) -> proto::Beat {
     }
 }
 
-/// `replicas` groups, each with its own connection and heartbeat stream (over
-/// `transport`), ask for `rounds` quorums in lock-step. With `change_every` > 0, one
-/// extra group joins on every such round and leaves (its heartbeat stream dropped, as
-/// on a crash) on the one after.
-#[allow(clippy::too_many_arguments)]
+/// The shape of a load of quorum rounds (`quorum_rounds`).
+#[derive(Clone, Copy, Debug)]
+pub struct RoundsLoad {
+    /// Groups that ask in every round.
+    pub replicas: usize,
+    /// Rounds measured, after the one that forms the first quorum.
+    pub rounds: usize,
+    /// With more than 0, one extra group joins on every such round and leaves (its
+    /// heartbeat stream dropped, as on a crash) on the one after.
+    pub change_every: usize,
+}
+
+/// `load.replicas` groups, each with its own connection and heartbeat stream (over
+/// `transport`), ask for `load.rounds` quorums in lock-step, a group joining and
+/// leaving as `load.change_every` says.
 pub async fn quorum_rounds(
     address: &str,
     token: &JobToken,
     job: &JobRequest,
     transport: BeatTransport,
-    replicas: usize,
-    rounds: usize,
-    change_every: usize,
+    load: RoundsLoad,
     timeout: Duration,
 ) -> Result<Vec<RoundTiming>, Error> {
+    let RoundsLoad {
+        replicas,
+        rounds,
+        change_every,
+    } = load;
     let status = LighthouseClient::for_job(address, token, job, timeout)?;
     let extra_client =
         LighthouseClient::for_job(address, token, job, timeout)?.beats_over(transport);

@@ -6,12 +6,14 @@ use pyo3::exceptions::{PyKeyboardInterrupt, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use super::keywords::Given;
 use super::runtime::{connect, control, wait};
 use super::types::{LighthouseStatus, Quorum};
 use super::{job_request, seconds, stop, to_py, unsigned, Server};
 use crate::auth::JobToken;
 use crate::cli::LighthouseArgs;
 use crate::gate::GateLimits;
+use crate::lighthouse::set::SetOptions;
 use crate::lighthouse::{self, client, JobLimits, LighthouseOptions, Tuning};
 use crate::proto;
 use crate::server::ServerHandle;
@@ -24,57 +26,122 @@ pub struct LighthouseServer {
     address: String,
 }
 
+keywords! {
+    /// The lighthouse's tuning, as `--min-replicas`, `--join-timeout`, … set it; None:
+    /// its default (`LIGHTHOUSE_DEFAULTS`).
+    struct TuningKeywords {
+        min_replicas: Option<i64> = None,
+        join_timeout: Option<f64> = None,
+        heartbeat_timeout: Option<f64> = None,
+        rollback_after: Option<f64> = None,
+        max_groups: Option<i64> = None,
+    }
+}
+
+keywords! {
+    /// This lighthouse's place in a set of them: every member's address, its own
+    /// place in the list (from 1), and the file that keeps its Raft term and vote.
+    struct SetKeywords {
+        peers: Option<Vec<String>> = None,
+        id: Option<u64> = None,
+        state_file: Option<std::path::PathBuf> = None,
+    }
+}
+
+keywords! {
+    /// How many jobs the lighthouse serves at once, and how long it remembers one
+    /// that has no group left; None: `JobLimits::DEFAULT`.
+    struct JobLimitKeywords {
+        max_jobs: Option<i64> = None,
+        forget_jobs_after: Option<f64> = None,
+    }
+}
+
+impl TuningKeywords {
+    /// The tuning given, checked, the defaults filling in.
+    fn tuning(&self) -> PyResult<Tuning> {
+        let defaults = Tuning::DEFAULT;
+        let or =
+            |given: Option<f64>, default, name| given.map_or(Ok(default), |s| seconds(name, s));
+        Ok(Tuning {
+            min_replicas: self
+                .min_replicas
+                .map_or(Ok(defaults.min_replicas), |n| unsigned("min_replicas", n))?,
+            join_timeout: or(self.join_timeout, defaults.join_timeout, "join_timeout")?,
+            heartbeat_timeout: or(
+                self.heartbeat_timeout,
+                defaults.heartbeat_timeout,
+                "heartbeat_timeout",
+            )?,
+            rollback_after: or(
+                self.rollback_after,
+                defaults.rollback_after,
+                "rollback_after",
+            )?,
+            max_groups: self.max_groups.map_or(Ok(defaults.max_groups), groups)?,
+        })
+    }
+}
+
+impl SetKeywords {
+    /// The set this lighthouse is one of; None: it serves alone.
+    fn set(&self) -> PyResult<Option<SetOptions>> {
+        let peers = self.peers.as_deref().unwrap_or_default();
+        crate::cli::set_options(peers, self.id, self.state_file.as_deref()).map_err(to_py)
+    }
+}
+
+impl JobLimitKeywords {
+    /// The limits given, checked, `JobLimits::DEFAULT` filling in.
+    fn limits(&self) -> PyResult<JobLimits> {
+        let defaults = JobLimits::DEFAULT;
+        Ok(JobLimits {
+            max_jobs: self
+                .max_jobs
+                .map_or(Ok(defaults.max_jobs), |n| unsigned("max_jobs", n))?,
+            forget_after: self
+                .forget_jobs_after
+                .map_or(Ok(defaults.forget_after), |s| {
+                    seconds("forget_jobs_after", s)
+                })?,
+        })
+    }
+}
+
 #[pymethods]
 impl LighthouseServer {
     /// None: the lighthouse's default (`LIGHTHOUSE_DEFAULTS`), the command line's too.
     #[new]
-    #[pyo3(signature = (bind = "127.0.0.1:0", min_replicas = None, join_timeout = None, heartbeat_timeout = None, token = None, insecure = false, peers = None, id = None, state_file = None, rollback_after = None, max_groups = None, max_jobs = None, forget_jobs_after = None, datagrams = true))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (bind = "127.0.0.1:0", *, token = None, insecure = false, datagrams = true, **options),
+        text_signature = "(bind='127.0.0.1:0', *, min_replicas=None, join_timeout=None, \
+                          heartbeat_timeout=None, token=None, insecure=False, peers=None, \
+                          id=None, state_file=None, rollback_after=None, max_groups=None, \
+                          max_jobs=None, forget_jobs_after=None, datagrams=True)"
+    )]
     fn new(
         py: Python<'_>,
         bind: &str,
-        min_replicas: Option<i64>,
-        join_timeout: Option<f64>,
-        heartbeat_timeout: Option<f64>,
         token: Option<String>,
         insecure: bool,
-        peers: Option<Vec<String>>,
-        id: Option<u64>,
-        state_file: Option<std::path::PathBuf>,
-        rollback_after: Option<f64>,
-        max_groups: Option<i64>,
-        max_jobs: Option<i64>,
-        forget_jobs_after: Option<f64>,
         datagrams: bool,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let defaults = Tuning::DEFAULT;
-        let set = crate::cli::set_options(&peers.unwrap_or_default(), id, state_file.as_deref())
-            .map_err(to_py)?;
+        let mut given = Given::new("LighthouseServer", options)?;
+        let tuning = given.take::<TuningKeywords>()?.tuning()?;
+        let set = given.take::<SetKeywords>()?.set()?;
+        let jobs = given.take::<JobLimitKeywords>()?.limits()?;
+        given.finish()?;
         let options = LighthouseOptions {
             bind: bind.to_string(),
-            min_replicas: min_replicas
-                .map_or(Ok(defaults.min_replicas), |n| unsigned("min_replicas", n))?,
-            join_timeout: join_timeout
-                .map_or(Ok(defaults.join_timeout), |s| seconds("join_timeout", s))?,
-            heartbeat_timeout: heartbeat_timeout.map_or(Ok(defaults.heartbeat_timeout), |s| {
-                seconds("heartbeat_timeout", s)
-            })?,
-            rollback_after: rollback_after.map_or(Ok(defaults.rollback_after), |s| {
-                seconds("rollback_after", s)
-            })?,
+            min_replicas: tuning.min_replicas,
+            join_timeout: tuning.join_timeout,
+            heartbeat_timeout: tuning.heartbeat_timeout,
+            rollback_after: tuning.rollback_after,
             token: JobToken::new(token),
-            connections: GateLimits::lighthouse(
-                max_groups.map_or(Ok(defaults.max_groups), groups)?,
-            ),
+            connections: GateLimits::lighthouse(tuning.max_groups),
             insecure,
-            jobs: JobLimits {
-                max_jobs: max_jobs
-                    .map_or(Ok(JobLimits::DEFAULT.max_jobs), |n| unsigned("max_jobs", n))?,
-                forget_after: forget_jobs_after
-                    .map_or(Ok(JobLimits::DEFAULT.forget_after), |s| {
-                        seconds("forget_jobs_after", s)
-                    })?,
-            },
+            jobs,
             datagrams,
         };
         let handle = wait(py, lighthouse::serve_in_set(options, set))?;
@@ -96,6 +163,20 @@ impl LighthouseServer {
     /// Stops serving; open calls get a short grace. Idempotent.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         stop(py, &self.handle)
+    }
+}
+
+keywords! {
+    /// The group as it joins a quorum (`Member`): its step, its ranks, where its
+    /// manager server, store and state servers are, and what it asks of the quorum.
+    struct MemberKeywords {
+        step: i64 = 0,
+        world_size: i64 = 1,
+        manager_address: String = String::new(),
+        store_address: String = String::new(),
+        state_addresses: Vec<String> = Vec::new(),
+        shrink_only: bool = false,
+        commit_failures: i64 = 0,
     }
 }
 
@@ -124,32 +205,31 @@ impl LighthouseClient {
     }
 
     /// Waits until a quorum that includes `replica_id` is issued.
-    #[pyo3(signature = (replica_id, timeout, step = 0, world_size = 1, manager_address = String::new(), store_address = String::new(), state_addresses = Vec::new(), shrink_only = false, commit_failures = 0, last_quorum_id = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (replica_id, timeout, *, last_quorum_id = 0, **member),
+        text_signature = "($self, replica_id, timeout, *, step=0, world_size=1, \
+                          manager_address='', store_address='', state_addresses=..., \
+                          shrink_only=False, commit_failures=0, last_quorum_id=0)"
+    )]
     fn quorum(
         &self,
         py: Python<'_>,
         replica_id: String,
         timeout: f64,
-        step: i64,
-        world_size: i64,
-        manager_address: String,
-        store_address: String,
-        state_addresses: Vec<String>,
-        shrink_only: bool,
-        commit_failures: i64,
         last_quorum_id: i64,
+        member: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Quorum> {
+        let member: MemberKeywords = Given::new("quorum", member)?.only()?;
         let timeout = seconds("timeout", timeout)?;
         let member = proto::Member {
             replica_id,
-            manager_address,
-            store_address,
-            step,
-            world_size: unsigned("world_size", world_size)?,
-            shrink_only,
-            commit_failures: unsigned("commit_failures", commit_failures)?,
-            state_addresses,
+            manager_address: member.manager_address,
+            store_address: member.store_address,
+            step: member.step,
+            world_size: unsigned("world_size", member.world_size)?,
+            shrink_only: member.shrink_only,
+            commit_failures: unsigned("commit_failures", member.commit_failures)?,
+            state_addresses: member.state_addresses,
             ..Default::default()
         };
         let last_quorum_id = unsigned("last_quorum_id", last_quorum_id)?;

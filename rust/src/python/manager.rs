@@ -30,46 +30,79 @@ pub struct ManagerServer {
     local: manager::LocalManager,
 }
 
+keywords! {
+    /// Where the server listens and how the others reach it (see `ManagerOptions`).
+    struct AddressKeywords {
+        bind: String = "127.0.0.1:0".into(),
+        also_bind: Option<String> = None,
+        advertise_host: Option<String> = None,
+        store_address: String = String::new(),
+    }
+}
+
+keywords! {
+    /// How the server keeps in touch with the lighthouse, in seconds; None: the
+    /// default (`MANAGER_DEFAULTS`).
+    struct HeartbeatKeywords {
+        heartbeat_interval: Option<f64> = None,
+        connect_timeout: Option<f64> = None,
+    }
+}
+
+keywords! {
+    /// The job the group is of, the quorum rules it declares for it, and the token
+    /// every request carries.
+    struct JobKeywords {
+        token: Option<String> = None,
+        job: Option<String> = None,
+        job_rules: Option<String> = None,
+    }
+}
+
 #[pymethods]
 impl ManagerServer {
     #[new]
-    #[pyo3(signature = (replica_id, lighthouse_address, world_size = 1, bind = "127.0.0.1:0", store_address = String::new(), advertise_host = None, heartbeat_interval = None, connect_timeout = None, init_sync = ManagerOptions::DEFAULT_INIT_SYNC, token = None, also_bind = None, job = None, job_rules = None))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (replica_id, lighthouse_address, world_size = 1, *, init_sync = ManagerOptions::DEFAULT_INIT_SYNC, **options),
+        text_signature = "(replica_id, lighthouse_address, world_size=1, *, bind='127.0.0.1:0', \
+                          store_address='', advertise_host=None, heartbeat_interval=None, \
+                          connect_timeout=None, init_sync=True, token=None, also_bind=None, \
+                          job=None, job_rules=None)"
+    )]
     fn new(
         py: Python<'_>,
         replica_id: String,
         lighthouse_address: String,
         world_size: i64,
-        bind: &str,
-        store_address: String,
-        advertise_host: Option<String>,
-        heartbeat_interval: Option<f64>,
-        connect_timeout: Option<f64>,
         init_sync: bool,
-        token: Option<String>,
-        also_bind: Option<String>,
-        job: Option<String>,
-        job_rules: Option<String>,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyClassInitializer<Self>> {
-        let heartbeat_interval = heartbeat_interval
+        let mut given = Given::new("ManagerServer", options)?;
+        let addresses: AddressKeywords = given.take()?;
+        let heartbeat: HeartbeatKeywords = given.take()?;
+        let job: JobKeywords = given.take()?;
+        given.finish()?;
+        let heartbeat_interval = heartbeat
+            .heartbeat_interval
             .map_or(Ok(ManagerOptions::DEFAULT_HEARTBEAT_INTERVAL), |s| {
                 seconds("heartbeat_interval", s)
             })?;
-        let connect_timeout = connect_timeout
+        let connect_timeout = heartbeat
+            .connect_timeout
             .map_or(Ok(ManagerOptions::DEFAULT_CONNECT_TIMEOUT), |s| {
                 seconds("connect_timeout", s)
             })?;
         let options = ManagerOptions {
-            bind: bind.to_string(),
-            also_bind,
-            advertise_host,
-            store_address,
+            bind: addresses.bind,
+            also_bind: addresses.also_bind,
+            advertise_host: addresses.advertise_host,
+            store_address: addresses.store_address,
             world_size: unsigned("world_size", world_size)?,
             heartbeat_interval,
             connect_timeout,
             init_sync,
-            token: JobToken::new(token),
-            job: job_request(job.as_deref(), job_rules.as_deref())?,
+            token: JobToken::new(job.token),
+            job: job_request(job.job.as_deref(), job.job_rules.as_deref())?,
             ..ManagerOptions::new(replica_id, lighthouse_address)
         };
         let handle = wait(py, manager::serve(options))?;
@@ -223,6 +256,21 @@ impl PendingQuorum {
     }
 }
 
+keywords! {
+    /// What a rank's vote says besides yes or no: the quorum its step ran in (0: the
+    /// one the group's ranks were last handed), that its heal failed part way, that
+    /// it asks the group to snapshot the state the step commits.
+    struct BallotKeywords {
+        quorum_id: u64 = 0,
+        torn: bool = false,
+        snapshot: bool = false,
+    }
+}
+
+/// How long a progress report may take: a rank reports every heartbeat interval, and
+/// a report that cannot get through is superseded by the next one.
+const PROGRESS_REPORT_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// One rank's connection to its group's manager server.
 #[pyclass(module = "phalanx._core", frozen)]
 pub struct ManagerClient {
@@ -290,8 +338,11 @@ impl ManagerClient {
     /// `quorum_id` (0: the one the group's ranks were last handed) names that quorum;
     /// `torn` says this rank's heal failed part way; `snapshot` asks the group to
     /// snapshot the state the step commits.
-    #[pyo3(signature = (group_rank, step, vote, timeout, quorum_id = 0, torn = false, snapshot = false))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (group_rank, step, vote, timeout, **ballot),
+        text_signature = "($self, group_rank, step, vote, timeout, *, quorum_id=0, torn=False, \
+                          snapshot=False)"
+    )]
     fn should_commit(
         &self,
         py: Python<'_>,
@@ -299,18 +350,17 @@ impl ManagerClient {
         step: i64,
         vote: bool,
         timeout: f64,
-        quorum_id: u64,
-        torn: bool,
-        snapshot: bool,
+        ballot: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<CommitDecision> {
+        let ballot: BallotKeywords = Given::new("should_commit", ballot)?.only()?;
         let timeout = seconds("timeout", timeout)?;
         let vote = proto::ShouldCommitRequest {
             group_rank: unsigned("group_rank", group_rank)?,
             step,
             vote,
-            quorum_id,
-            torn,
-            snapshot,
+            quorum_id: ballot.quorum_id,
+            torn: ballot.torn,
+            snapshot: ballot.snapshot,
             ..Default::default()
         };
         let client = self.inner.clone();
@@ -322,8 +372,7 @@ impl ManagerClient {
     /// sits in a wait on the other groups that ends within that long. The group's
     /// heartbeat carries the sum of its ranks' reports, and the lighthouse evicts a
     /// group that made no progress for `stall_timeout` while its peers wait on it.
-    #[pyo3(signature = (group_rank, marks, wait_left, stall_timeout, step_time = 0.0, timeout = 1.0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (group_rank, marks, wait_left, stall_timeout, step_time = 0.0))]
     fn report_progress(
         &self,
         py: Python<'_>,
@@ -332,9 +381,7 @@ impl ManagerClient {
         wait_left: Option<f64>,
         stall_timeout: f64,
         step_time: f64,
-        timeout: f64,
     ) -> PyResult<()> {
-        let timeout = seconds("timeout", timeout)?;
         let stall_timeout = seconds("stall_timeout", stall_timeout)?;
         // At most a day: the server refuses longer ones.
         let day = 86_400.0;
@@ -352,7 +399,9 @@ impl ManagerClient {
             ..Default::default()
         };
         let client = self.inner.clone();
-        wait(py, async move { client.progress(report, timeout).await })
+        wait(py, async move {
+            client.progress(report, PROGRESS_REPORT_TIMEOUT).await
+        })
     }
 
     /// Starts listening for membership-loss events (idempotent). Events that happen

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tokio::sync::oneshot;
 
+use super::keywords::Given;
 use super::runtime::{wait_transfer, OnInterrupt};
 use super::{seconds_or_zero, to_py, unsigned, Server};
 use crate::auth::JobToken;
@@ -213,30 +214,43 @@ impl FetchStats {
     }
 }
 
+keywords! {
+    /// How a fetch runs: with the job's token, within `timeout` seconds in all,
+    /// `chunk_bytes` a request over `connections_per_source` connections to each
+    /// source, a source silent for `stall_timeout` seconds dropped.
+    struct FetchKeywords {
+        token: Option<String> = None,
+        timeout: f64 = 60.0,
+        connections_per_source: usize = 2,
+        chunk_bytes: u64 = 4 << 20,
+        stall_timeout: f64 = 10.0,
+    }
+}
+
 /// Fetches `regions` ((address, length) pairs) from all `sources` at once, in place.
 #[pyfunction]
-#[pyo3(signature = (sources, step, quorum_id, regions, token = None, timeout = 60.0, connections_per_source = 2, chunk_bytes = 4 << 20, stall_timeout = 10.0))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(
+    signature = (sources, step, quorum_id, regions, **how),
+    text_signature = "(sources, step, quorum_id, regions, *, token=None, timeout=60.0, \
+                      connections_per_source=2, chunk_bytes=4194304, stall_timeout=10.0)"
+)]
 fn fetch_state(
     py: Python<'_>,
     sources: Vec<String>,
     step: i64,
     quorum_id: i64,
     regions: Vec<(usize, usize)>,
-    token: Option<String>,
-    timeout: f64,
-    connections_per_source: usize,
-    chunk_bytes: u64,
-    stall_timeout: f64,
+    how: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<FetchStats> {
+    let how: FetchKeywords = Given::new("fetch_state", how)?.only()?;
     let quorum_id = unsigned("quorum_id", quorum_id)?;
     self::regions(&regions)?;
     let options = FetchOptions {
-        token: JobToken::new(token),
-        timeout: seconds_or_zero("timeout", timeout)?,
-        connections_per_source,
-        chunk_bytes,
-        stall_timeout: seconds_or_zero("stall_timeout", stall_timeout)?,
+        token: JobToken::new(how.token),
+        timeout: seconds_or_zero("timeout", how.timeout)?,
+        connections_per_source: how.connections_per_source,
+        chunk_bytes: how.chunk_bytes,
+        stall_timeout: seconds_or_zero("stall_timeout", how.stall_timeout)?,
         ..FetchOptions::default()
     };
     // SAFETY: the caller keeps the memory alive and untouched until this returns, and

@@ -6,22 +6,37 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
+use super::keywords::Given;
 use super::runtime::wait;
 use super::state::StateServer;
 use super::{job_request, seconds, unsigned};
 use crate::auth::JobToken;
 use crate::lighthouse::wire::BeatTransport;
-use crate::loadgen::floor;
+use crate::loadgen::{floor, RoundsLoad};
 use crate::state::{baseline, Corruption};
 use crate::Error;
+
+keywords! {
+    /// How a load of quorum rounds reaches the lighthouse: the job it asks as, with
+    /// the job's token, its heartbeats over `transport` ("framed" or "grpc").
+    struct AccessKeywords {
+        token: Option<String> = None,
+        job: Option<String> = None,
+        transport: String = "framed".into(),
+    }
+}
 
 /// Benchmark load: `replicas` groups ask for `rounds` quorums in lock-step. Returns
 /// (seconds from the last request to the last answer, membership changed, quorum id)
 /// for each round.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, token = None, job = None, transport = "framed"))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(
+    signature = (address, replicas, rounds, change_every = 0, timeout = 30.0, **access),
+    text_signature = "(address, replicas, rounds, change_every=0, timeout=30.0, *, token=None, \
+                      job=None, transport='framed')"
+)]
 fn bench_quorum_rounds(
     py: Python<'_>,
     address: String,
@@ -29,26 +44,20 @@ fn bench_quorum_rounds(
     rounds: usize,
     change_every: usize,
     timeout: f64,
-    token: Option<String>,
-    job: Option<String>,
-    transport: &str,
+    access: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Vec<(f64, bool, u64)>> {
+    let access: AccessKeywords = Given::new("bench_quorum_rounds", access)?.only()?;
     let timeout = seconds("timeout", timeout)?;
-    let transport = beat_transport(transport)?;
-    let token = JobToken::new(token);
-    let job = job_request(job.as_deref(), None)?;
+    let transport = beat_transport(&access.transport)?;
+    let token = JobToken::new(access.token);
+    let job = job_request(access.job.as_deref(), None)?;
+    let load = RoundsLoad {
+        replicas,
+        rounds,
+        change_every,
+    };
     let timings = wait(py, async move {
-        crate::loadgen::quorum_rounds(
-            &address,
-            &token,
-            &job,
-            transport,
-            replicas,
-            rounds,
-            change_every,
-            timeout,
-        )
-        .await
+        crate::loadgen::quorum_rounds(&address, &token, &job, transport, load, timeout).await
     })?;
     Ok(timings
         .into_iter()
@@ -78,25 +87,36 @@ fn bench_crash_told(
     Ok(told.iter().map(Duration::as_secs_f64).collect())
 }
 
-/// Benchmark load: `replicas` heartbeat streams at `hz` over `transport` ("framed":
-/// a connection each; "grpc": `connections` connections) for `duration` seconds.
+keywords! {
+    /// The heartbeat streams of a load: over `transport`, "framed" (a connection
+    /// each) or "grpc" (`connections` connections in all).
+    struct StreamKeywords {
+        connections: usize = 64,
+        transport: String = "framed".into(),
+    }
+}
+
+/// Benchmark load: `replicas` heartbeat streams at `hz` for `duration` seconds.
 /// Returns the beats sent.
 #[pyfunction]
-#[pyo3(signature = (address, replicas, hz, duration, connections = 64, token = None, transport = "framed"))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(
+    signature = (address, replicas, hz, duration, *, token = None, **streams),
+    text_signature = "(address, replicas, hz, duration, *, token=None, connections=64, \
+                      transport='framed')"
+)]
 fn bench_heartbeats(
     py: Python<'_>,
     address: String,
     replicas: usize,
     hz: f64,
     duration: f64,
-    connections: usize,
     token: Option<String>,
-    transport: &str,
+    streams: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<u64> {
+    let streams: StreamKeywords = Given::new("bench_heartbeats", streams)?.only()?;
     let duration = seconds("duration", duration)?;
     let token = JobToken::new(token);
-    let transport = beat_transport(transport)?;
+    let transport = beat_transport(&streams.transport)?;
     wait(py, async move {
         crate::loadgen::heartbeats(
             &address,
@@ -104,7 +124,7 @@ fn bench_heartbeats(
             transport,
             replicas,
             hz,
-            connections,
+            streams.connections,
             duration,
         )
         .await
