@@ -37,6 +37,15 @@ HEARTBEAT_INTERVAL = 0.05
 STEP_INTERVAL = 0.05
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(phalanx._core, "_testing"):
+        raise pytest.UsageError(
+            "phalanx._core was built without the cargo feature `testing`, whose private "
+            "_testing module the tests use (a wheel leaves it out): install with "
+            'pip install -e ".[test]" -C maturin.build-args="--features python,testing"'
+        )
+
+
 def free_port() -> int:
     """A loopback port that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

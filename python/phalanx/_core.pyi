@@ -10,8 +10,9 @@ from types import ModuleType, TracebackType
 
 __version__: str
 PROTOCOL_VERSION: int
-#: Private, built with the `testing` cargo feature (as `pip install -e .` does): the
-#: benchmarks' load generators and the heal tests' corruption hook; not an API.
+#: Private, built with the `testing` cargo feature only (the dev install's, never a
+#: wheel's; docs/dependencies.md): the benchmarks' load generators and the heal tests'
+#: corruption hook; not an API.
 _testing: ModuleType
 
 class Member:
