@@ -25,7 +25,8 @@
 //!   and both are left out. After a member that asks failed the previous quorum's
 //!   step there is no straggler bound: a late member may have committed the step the
 //!   asker failed, and a quorum without it would commit that step again with other
-//!   data; it is waited for while it progresses, and the asker heals from it;
+//!   data; it is waited for while it progresses, and the asker heals from it (a new
+//!   life of the group, restarted, holds no step and is not);
 //! - a late member counts toward the majority for `LATE_MEMBER_JOIN_TIMEOUTS` join
 //!   timeouts after the previous quorum was issued (10 s by default), then no longer:
 //!   a group that lives but never asks again cannot stop the job;
@@ -560,14 +561,18 @@ pub fn decide(round: &Round<'_>) -> Decision {
             _ => straggler,
         }
     };
-    let on_their_way = late
-        .iter()
-        .filter_map(|id| {
-            let fresh_until = live.progressed_at(id)? + config.join_timeout.max(PROGRESS_FRESH);
-            Some(fresh_until.min(bound(id)))
+    // Past every bound, no late member's progress is read (this runs on every request).
+    let on_their_way = (now < straggler || (failed_step.is_some() && now < late_expiry))
+        .then(|| {
+            late.iter()
+                .filter_map(|id| {
+                    let fresh = live.progressed_at(id)? + config.join_timeout.max(PROGRESS_FRESH);
+                    Some(fresh.min(bound(id)))
+                })
+                .filter(|until| now < *until)
+                .min()
         })
-        .filter(|until| now < *until)
-        .min();
+        .flatten();
     if let Some(until) = on_their_way {
         return Decision::Wait {
             until: Some(until),
