@@ -2,7 +2,7 @@
 the verify a resume does, of a state of 100 MB and 1 GB, on a local folder.
 
     python benches/snapshot_seal.py                   # this tree
-    python benches/snapshot_seal.py --against /tmp/old/python   # and an older tree's, side by side
+    python benches/snapshot_seal.py --against OLD/python      # and an older tree's, side by side
 
 Prints a table with the ratios, then one JSON line of every (tree, size). The older tree is
 run in a child process with its `python/` first on sys.path (copy `_core*.so` into
